@@ -130,6 +130,10 @@ def test_gae_shape_errors():
         gae(torch.ones(2, 3), torch.ones(2, 4), torch.ones(2, 3), 1.0, 1.0)
     with pytest.raises(ValueError, match="2-D"):
         gae(torch.ones(3), torch.ones(3), torch.ones(3), 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"lam=1.5 must be in \[0, 1\]"):
+        gae(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), 1.0, 1.5)
+    with pytest.raises(ValueError, match=r"gamma=-0.1 must be in \[0, 1\]"):
+        reinforce_pp(torch.ones(2, 3), torch.ones(2, 3), -0.1)
 
 
 # ---------- group estimators ----------
@@ -180,6 +184,8 @@ def test_group_inputs_are_validated():
         rloo(torch.ones(2), torch.tensor([0.0, 0.0]))
     with pytest.raises(ValueError, match="1-D"):
         grpo(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="map string uids to ints"):
+        grpo(torch.ones(2), ["uid-a", "uid-b"])
 
 
 def test_remax_hand_values_and_shape_check():

@@ -36,10 +36,20 @@ def _check_2d(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be 2-D (B, T) over response tokens, got shape {tuple(x.shape)}")
 
 
+def _check_discount(**factors: float) -> None:
+    for name, value in factors.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}={value} must be in [0, 1]")
+
+
 def _groups(scores: torch.Tensor, group_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return (scores as float (B,), inverse index (B,), group size per sample (B,))."""
     scores = _float(scores)
-    gids = torch.as_tensor(group_ids, device=scores.device)
+    try:
+        gids = torch.as_tensor(group_ids, device=scores.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError("group_ids must be integers, one per sample (map string uids to ints first, "
+                         f"e.g. with a dict); got {type(group_ids).__name__}") from None
     if scores.dim() != 1:
         raise ValueError(f"scores must be 1-D (B,), got shape {tuple(scores.shape)}")
     if gids.shape != scores.shape:
@@ -74,6 +84,7 @@ def gae(
     """
     check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
     _check_2d("token_rewards", token_rewards)
+    _check_discount(gamma=gamma, lam=lam)
     m = as_bool_mask(mask, token_rewards)  # (B, T)
     r, v = _float(token_rewards), _float(values)  # (B, T)
     batch, length = r.shape
@@ -171,6 +182,7 @@ def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     """
     check_same_shape(token_rewards=token_rewards, mask=mask)
     _check_2d("token_rewards", token_rewards)
+    _check_discount(gamma=gamma)
     m = as_bool_mask(mask, token_rewards)
     return masked_whiten(_return_to_go(_float(token_rewards), m, gamma), m)
 
