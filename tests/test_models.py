@@ -227,7 +227,7 @@ def test_select_pad_left_and_concat_keep_decoding_exact() -> None:
         full = lm(ids, attention_mask=mask).logits  # (3, 6, V)
         pre = lm(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
         keep = [2, 0, 0]  # drop row 1, repeat row 0 (finished rows out, prompt fan-out)
-        step = lm(ids[keep, 5:], attention_mask=mask[keep], past_key_values=pre.select(keep)).logits
+        step = lm(ids[keep, 5:], attention_mask=mask[keep], past_key_values=pre.reorder(keep)).logits
         torch.testing.assert_close(step[:, 0], full[keep, 5], atol=1e-5, rtol=0)
         # a 3-token cache of row 1 joined with the 5-token cache of row 0: pad left, mask with zeros
         short = lm(ids[1:2, 2:5], attention_mask=mask[1:2, 2:5], use_cache=True).past_key_values
@@ -347,3 +347,20 @@ def test_resolve_device(monkeypatch) -> None:
         resolve_device("gpu")
     with pytest.raises(ValueError, match="no GPU is visible"):
         resolve_device("cuda:1")
+
+
+def test_expanded_kv_heads_match_native_gqa(monkeypatch) -> None:
+    # The CUDA path expands k/v heads instead of using enable_gqa; both must give the same attention.
+    from fuseflow.models import llama
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g) for h in (4, 2, 2))
+    mask = build_attention_mask(torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]), q_len=5, past_len=0)
+    native = llama.attend(q, k, v, mask, is_causal=False)
+    monkeypatch.setattr(llama, "_native_gqa_ok", lambda q, mask: False)
+    expanded = llama.attend(q, k, v, mask, is_causal=False)
+    # naive reference for head 3 of row 1 (uses kv head 1): softmax over allowed keys
+    scores = (q[1, 3] @ k[1, 1].T) / math.sqrt(8)
+    scores = scores.masked_fill(~mask[1, 0], float("-inf"))
+    torch.testing.assert_close(native[1, 3], scores.softmax(-1) @ v[1, 1])
+    torch.testing.assert_close(expanded, native)

@@ -55,6 +55,10 @@ class KVCache:
             tuple(v.index_select(0, idx) for v in self.values),
         )
 
+    def reorder(self, batch_indices: Tensor | list[int]) -> KVCache:
+        """Alias of `select` (the beam-search name for the same row gather)."""
+        return self.select(batch_indices)
+
     def pad_left(self, seq_len: int) -> KVCache:
         """Zero-pad on the left to `seq_len` positions so caches of different lengths can be concatenated;
         extend `attention_mask` with the same number of 0 columns on the left."""
@@ -163,6 +167,24 @@ def build_attention_mask(attention_mask: Tensor | None, q_len: int, past_len: in
     return allowed[:, None]  # (B|1, 1, T, S)
 
 
+def _native_gqa_ok(q: Tensor, mask: Tensor | None) -> bool:
+    # SDPA's enable_gqa is fast on CPU and in CUDA's flash kernel (half precision, no mask). With a mask
+    # or in fp32, CUDA would pick the memory-efficient kernel, which lacks GQA, and silently fall back
+    # to the O(T*S)-memory math kernel; expanding k/v heads keeps the efficient kernel there.
+    return q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """SDPA over q (B, H, T, hd) and k, v (B, H_kv, S, hd) with H a multiple of H_kv -> (B, H, T, hd)."""
+    groups = q.shape[1] // k.shape[1]
+    native = groups == 1 or _native_gqa_ok(q, mask)
+    if not native:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=native and groups > 1
+    )
+
+
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v bias and per-head qk RMSNorm (applied before RoPE)."""
 
@@ -191,14 +213,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, n_kv, T, hd)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, n_kv, S, hd)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and past is None,
-            enable_gqa=self.n_kv != self.n_heads,
-        )  # (B, n_heads, T, hd)
+        out = attend(q, k, v, mask, is_causal=mask is None and past is None)  # (B, n_heads, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
