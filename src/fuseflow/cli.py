@@ -1,0 +1,166 @@
+"""The ``fuseflow`` command line.
+
+Every command takes dotted ``key=value`` overrides on top of a preset. Bad input
+(config, data, a missing file, a failing reward function) prints one line and exits
+with 2; Ctrl-C says which checkpoint is intact and how to resume.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from fuseflow.config import ConfigError, load_config, load_run_config, preset_names
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="RL post-training of language models (GRPO, PPO) with fine-grained scheduling.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: write JSON, compare side by side as ratios.")
+app.add_typer(config_app, name="config")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.steps=50 algorithm.name=ppo")
+PRESET = typer.Option("default", "--preset", "-p", help="Config preset shipped with fuseflow.")
+
+
+def fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _user_errors():
+    from fuseflow.tasks import DataError, RewardError
+
+    return (ConfigError, DataError, RewardError, FileNotFoundError, ValueError)
+
+
+@config_app.command("show")
+def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET) -> None:
+    """Print the resolved config as YAML."""
+    try:
+        cfg = load_config(preset, overrides)
+    except ConfigError as e:
+        fail(str(e))
+    typer.echo(cfg.to_yaml(), nl=False)
+
+
+@app.command()
+def train(overrides: list[str] = OVERRIDES, preset: str = PRESET,
+          output: Path = typer.Option(None, "--output", "-o", help="Run directory (default runs/<preset>-<time>)."),
+          resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory.")) -> None:
+    """SFT warm start (cached), held-out eval, RL, held-out eval; writes a run directory."""
+    from fuseflow.runner import train as run_train
+
+    try:
+        if resume is not None:
+            cfg = load_run_config(resume, overrides)
+            run_dir = resume
+        else:
+            cfg = load_config(preset, overrides)
+            run_dir = Path(output or cfg.output or f"runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if (run_dir / "checkpoints").is_dir():
+                fail(f"--output {run_dir} already holds a run; continue it with --resume {run_dir} "
+                     "or choose another directory")
+        console.print(f"fuseflow train: {cfg.algorithm.name} on {cfg.task.name}, run directory {run_dir}")
+        run_train(cfg, run_dir, resume=resume is not None, console=console)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
+    except _user_errors() as e:
+        fail(str(e))
+
+
+def _interrupted(run_dir: Path) -> None:
+    from fuseflow.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir) if run_dir else None
+    kept = f"checkpoint {ckpt.name} is intact" if ckpt else "no checkpoint had been written yet"
+    fail(f"interrupted; {kept}. Resume with: fuseflow train --resume {run_dir}", code=130)
+
+
+@app.command()
+def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
+        output: Path = typer.Option(None, "--output", "-o", help="Also copy the SFT model here.")) -> None:
+    """Train (or reuse from the cache) the SFT warm-start model for a config."""
+    import shutil
+
+    from fuseflow.data.tokenizer import load_tokenizer
+    from fuseflow.models import resolve_device
+    from fuseflow.runner import make_progress
+    from fuseflow.sft import ensure_sft_model
+    from fuseflow.tasks import make_task
+
+    try:
+        cfg = load_config(preset, overrides)
+        device, dtype = resolve_device(cfg.device)
+        with make_progress(console) as progress:
+            path, curve = ensure_sft_model(cfg, make_task(cfg.task), load_tokenizer(cfg.model.tokenizer), device,
+                                           dtype, progress, console.print)
+        best = max(curve, key=lambda c: c["accuracy"]) if curve else None
+        if best:
+            console.print(f"SFT model: {path} (best held-out accuracy {best['accuracy']:.3f} at step {best['step']})")
+        if output:
+            shutil.copytree(path, output, dirs_exist_ok=True)
+            console.print(f"Copied to {output}")
+    except KeyboardInterrupt:
+        fail("interrupted; the SFT cache is only written when training completes", code=130)
+    except _user_errors() as e:
+        fail(str(e))
+
+
+@app.command()
+def export(run_dir: Path = typer.Argument(..., help="A run directory made by fuseflow train."),
+           out_dir: Path = typer.Argument(..., help="Where to write the Hugging Face model directory."),
+           step: int = typer.Option(None, "--step", help="Checkpoint step (default: the latest).")) -> None:
+    """Write a checkpoint's policy as a Hugging Face model directory with its tokenizer."""
+    from fuseflow.checkpoint import find_checkpoint
+    from fuseflow.data.tokenizer import load_tokenizer
+    from fuseflow.models import CausalLM
+
+    try:
+        ckpt = find_checkpoint(run_dir, step)
+        model = CausalLM.from_pretrained(ckpt / "actor")
+        model.save_pretrained(out_dir)
+        tok_dir = ckpt / "actor"
+        load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").exists() else None).save_pretrained(str(out_dir))
+    except _user_errors() as e:
+        fail(str(e))
+    console.print(f"Exported {ckpt} to {out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+
+
+@app.command("presets")
+def presets() -> None:
+    """List the config presets."""
+    for name in preset_names():
+        typer.echo(name)
+
+
+def _register_plugins() -> None:
+    # Subsystems own their commands; the CLI only mounts them.
+    try:
+        from fuseflow.schedule.pipeline.bench import register as register_pipeline
+    except ImportError:
+        pass
+    else:
+        register_pipeline(bench_app)
+    try:
+        from fuseflow.sim.commands import register as register_sim
+    except ImportError:
+        pass
+    else:
+        register_sim(app)
+
+
+_register_plugins()
+
+
+def main() -> None:
+    app(prog_name="fuseflow")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

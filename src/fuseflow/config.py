@@ -1,0 +1,241 @@
+"""One typed config tree for every fuseflow command.
+
+The tree is built once from a YAML preset shipped in the package plus dotted
+``key=value`` overrides, validated by pydantic, and frozen: nothing mutates it
+during a run. Errors become one line that names the field, the value given and
+what is allowed (``ConfigError``), which the CLI prints before exiting with 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config value, with a one-line message meant for a person."""
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo in a key into an error instead of a silent default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskConfig(_Section):
+    name: Literal["arith", "sort", "file"] = "arith"
+    seed: int = 1234  # data generation seed, separate from the training seed
+    train_size: int = Field(20000, gt=0)
+    eval_size: int = Field(500, gt=0)
+    # arith: numbers have 1..max_digits digits; a careless demonstrator ignores carries
+    # in a fraction of the SFT demonstrations (imperfect demonstrations leave RL room).
+    max_digits: int = Field(3, ge=1, le=9)
+    demo_error_rate: float = Field(0.6, ge=0.0, le=1.0)
+    # sort: list lengths are long-tailed (see fuseflow.tasks.sort).
+    max_items: int = Field(32, ge=2, le=64)
+    # file: user data with a `prompt` column (and optional `answer`, `response`).
+    path: str | None = None
+    eval_path: str | None = None
+    reward_fn: str | None = None  # "package.module:function" or "path/to/file.py:function"
+    success_threshold: float = 1.0  # a response with reward >= this counts as correct
+
+    @model_validator(mode="after")
+    def _file_needs_paths(self) -> TaskConfig:
+        if self.name == "file" and (not self.path or not self.reward_fn):
+            raise ValueError("task.name=file needs task.path=FILE.jsonl|.parquet and task.reward_fn=module:function")
+        return self
+
+
+class ModelSection(_Section):
+    size: Literal["tiny", "small"] = "tiny"
+    path: str | None = None  # a Hugging Face model directory to start from instead of a size preset
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory; default builds a char-level one
+    max_prompt_len: int = Field(64, gt=0)
+    max_response_len: int = Field(16, gt=0)
+
+
+class SFTConfig(_Section):
+    enabled: bool = True
+    max_steps: int = Field(3000, gt=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(100, ge=0)
+    eval_every: int = Field(100, gt=0)
+    patience: int = Field(4, gt=0)  # evals without held-out improvement before stopping
+    eval_size: int = Field(300, gt=0)
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_size: int = Field(8, gt=0)  # samples per prompt
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_high: float = Field(0.2, gt=0.0)
+    value_clip: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.01, ge=0.0)
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    kl_in_reward: bool = False  # True: penalty folded into token rewards (PPO style); False: loss term
+    norm_by_std: bool = True
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+
+
+class RolloutConfig(_Section):
+    backend: Literal["sampler"] = "sampler"
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 disables top-k
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(60, gt=0)
+    prompts_per_step: int = Field(32, gt=0)
+    mini_batch_size: int = Field(128, gt=0)  # samples per optimizer step
+    micro_batch_size: int = Field(128, gt=0)  # samples per forward/backward (gradient accumulation)
+    epochs: int = Field(1, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    critic_lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(5, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+    save_every: int = Field(20, gt=0)
+    eval_every: int = Field(20, gt=0)
+    eval_size: int = Field(500, gt=0)
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> TrainerConfig:
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"trainer.micro_batch_size={self.micro_batch_size} must divide "
+                f"trainer.mini_batch_size={self.mini_batch_size}"
+            )
+        return self
+
+
+class Config(_Section):
+    preset: str = "default"
+    seed: int = 0
+    device: str = "auto"
+    output: str | None = None  # run directory; default runs/<preset>-<timestamp>
+    cache_dir: str = "~/.cache/fuseflow"
+    task: TaskConfig = TaskConfig()
+    model: ModelSection = ModelSection()
+    sft: SFTConfig = SFTConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> Config:
+        samples = self.trainer.prompts_per_step * self.algorithm.group_size
+        if samples % self.trainer.mini_batch_size:
+            raise ValueError(
+                f"trainer.mini_batch_size={self.trainer.mini_batch_size} must divide the samples per step "
+                f"(trainer.prompts_per_step * algorithm.group_size = {samples})"
+            )
+        if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
+            raise ValueError("algorithm.group_size must be >= 2 for grpo (advantages are relative to the group)")
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def digest(self, *sections: str) -> str:
+        """Stable hash of the named sections (all when none), e.g. to key the SFT cache."""
+        data = self.model_dump(mode="json")
+        if sections:
+            data = {k: data[k] for k in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("fuseflow.presets").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_preset(name: str) -> dict[str, Any]:
+    if name not in preset_names():
+        raise ConfigError(f"preset: unknown preset {name!r}; choose one of: {', '.join(preset_names())}")
+    text = resources.files("fuseflow.presets").joinpath(f"{name}.yaml").read_text()
+    return yaml.safe_load(text) or {}
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into a key path and a YAML-typed value."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=50")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key; expected a dotted key such as trainer.steps")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a section; cannot set {'.'.join(path)}")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        section = _lookup_model(first["loc"][:-1])
+        allowed = ", ".join(section.model_fields) if section else ""
+        return f"{loc}: unknown key; allowed keys here: {allowed}"
+    msg = first["msg"]
+    if first["type"].startswith("value_error") or not loc:
+        return f"{loc or 'config'}: {msg.removeprefix('Value error, ')}"
+    return f"{loc}: invalid value {first.get('input')!r}: {msg}"
+
+
+def _lookup_model(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def load_config(preset: str = "default", overrides: list[str] | None = None, base: dict | None = None) -> Config:
+    """Build the validated, frozen config from a preset (or a saved tree) plus overrides.
+
+    >>> load_config("default", ["trainer.steps=5"]).trainer.steps
+    5
+    """
+    tree = dict(base) if base is not None else _read_preset(preset)
+    tree.setdefault("preset", preset)
+    for item in overrides or []:
+        path, value = parse_override(item)
+        _set_path(tree, path, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, tree)) from None
+
+
+def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
+    """The config a run directory was started with, plus overrides (for --resume)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; pass a run directory made by `fuseflow train`")
+    tree = yaml.safe_load(path.read_text())
+    return load_config(tree.get("preset", "default"), overrides, base=tree)

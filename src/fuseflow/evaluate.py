@@ -1,0 +1,47 @@
+"""Held-out evaluation: greedy decoding, task reward and accuracy."""
+
+from __future__ import annotations
+
+import torch
+
+from fuseflow.rollout.base import RolloutRequest, SamplingParams
+from fuseflow.rollout.sampler import Sampler
+from fuseflow.tasks import Prompt, Task
+
+
+def encode_prompts(tokenizer, prompts: list[Prompt], max_len: int) -> list[list[int]]:
+    """Token ids of each prompt; a prompt over ``max_len`` tokens is a clear error, not a truncation."""
+    ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
+    for p, x in zip(prompts, ids):
+        if len(x) > max_len:
+            raise ValueError(f"prompt {p.text[:40]!r}... has {len(x)} tokens, more than model.max_prompt_len="
+                             f"{max_len}; raise model.max_prompt_len or shorten the prompt")
+        if not x:
+            raise ValueError(f"prompt {p.text!r} encodes to no tokens")
+    return ids
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task: Task, prompts: list[Prompt], max_prompt_len: int, max_new_tokens: int,
+             batch_size: int = 256) -> dict[str, float]:
+    """Greedy accuracy, mean reward and mean response length on ``prompts``."""
+    sampler = Sampler(model, tokenizer.pad_token_id, max_batch=batch_size)
+    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+    ids = encode_prompts(tokenizer, prompts, max_prompt_len)
+    reqs = [RolloutRequest(i, x, params) for i, x in enumerate(ids)]
+    correct = reward = length = 0.0
+    for s in sampler.generate(reqs):
+        text = decode_response(tokenizer, s.response_ids)
+        r = task.score(prompts[s.uid], text)
+        reward += r if r == r else 0.0
+        correct += float(r == r and r >= task.success_threshold)
+        length += len(s.response_ids)
+    n = max(len(prompts), 1)
+    return {"accuracy": correct / n, "reward": reward / n, "response_length": length / n}
+
+
+def decode_response(tokenizer, ids: list[int]) -> str:
+    """Response text without the trailing eos/pad."""
+    while ids and ids[-1] in (tokenizer.eos_token_id, tokenizer.pad_token_id):
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)

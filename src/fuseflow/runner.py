@@ -1,0 +1,114 @@
+"""Runs ``fuseflow train``: evaluation before and after RL, progress, checkpoints, summary and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fuseflow.config import Config
+from fuseflow.telemetry.metrics import read_metrics
+from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
+from fuseflow.trainer import RLTrainer
+
+
+def make_progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, transient=False)
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
+          stop_after: int | None = None) -> dict:
+    """Run (or resume) RL training into ``run_dir``; returns the summary written to ``summary.json``.
+
+    ``stop_after`` ends the run early after that step, as an interruption would (used by tests).
+    """
+    console = console or Console()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        _write_atomic(run_dir / "config.yaml", cfg.to_yaml())
+    t = cfg.trainer
+    with make_progress(console) as progress:
+        trainer = RLTrainer(cfg, run_dir, resume=resume, log=console.print, progress=progress)
+        try:
+            (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model.config.to_hf_dict(), indent=1))
+            if not any(e["step"] == 0 for e in trainer.evals):
+                ev = trainer.evaluate(0)
+                console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
+            bar = progress.add_task("RL", total=t.steps, completed=trainer.start_step)
+            for step in range(trainer.start_step + 1, t.steps + 1):
+                m = trainer.step(step)
+                if step % t.eval_every == 0 or step == t.steps:
+                    m |= {f"eval/{k}": v for k, v in trainer.evaluate(step).items()}
+                trainer.metrics.log(step, m)
+                if step % t.save_every == 0 or step == t.steps:
+                    trainer.save(step)
+                progress.update(bar, completed=step, description=(
+                    f"RL step {step} reward {m['reward/mean']:.3f} acc {m['reward/accuracy']:.3f} "
+                    f"{m['perf/tokens_per_second']:.0f} tok/s"))
+                if stop_after is not None and step >= stop_after:
+                    break
+        finally:
+            trainer.close()
+    summary = summarize(run_dir, trainer.evals, cfg, trainer.sft_curve)
+    _write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    plot_run(run_dir, trainer.evals, trainer.sft_curve)
+    print_summary(console, summary, run_dir)
+    return summary
+
+
+def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dict]) -> dict:
+    """The run's headline figures; later benchmarks read these names."""
+    rows = read_metrics(run_dir)
+    ev = sorted(evals, key=lambda e: e["step"])
+    k = max(1, min(5, len(rows) // 4 or 1))  # mean over a few steps: one step's reward is noisy
+    rewards = [r["reward/mean"] for r in rows]
+    seconds = sum(r["time/step_seconds"] for r in rows)
+    samples = sum(r["rollout/num_samples"] for r in rows)
+    tokens = sum(r["rollout/num_samples"] * r["rollout/response_length_mean"] for r in rows)
+    stages: dict[str, float] = {}
+    for per_stage in stage_seconds_per_step(run_dir / "trace.json").values():
+        for name, s in per_stage.items():
+            stages[name] = stages.get(name, 0.0) + s
+    return {
+        "preset": cfg.preset, "algorithm": cfg.algorithm.name, "task": cfg.task.name,
+        "accuracy_before": ev[0]["accuracy"] if ev else None,
+        "accuracy_after": ev[-1]["accuracy"] if ev else None,
+        "accuracy_gain": (ev[-1]["accuracy"] - ev[0]["accuracy"]) if ev else None,
+        "reward_first": sum(rewards[:k]) / k if rows else None,
+        "reward_last": sum(rewards[-k:]) / k if rows else None,
+        "reward_window_steps": k,
+        "steps": rows[-1]["step"] if rows else 0,
+        "wall_seconds": seconds,
+        "samples_per_second": samples / seconds if seconds else 0.0,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "stage_seconds": {k2: round(v, 3) for k2, v in sorted(stages.items())},
+        "sft_steps": sft_curve[-1]["step"] if sft_curve else 0,
+        "sft_best_accuracy": max((c["accuracy"] for c in sft_curve), default=None),
+        "evals": ev,
+    }
+
+
+def print_summary(console: Console, s: dict, run_dir: Path) -> None:
+    table = Table(title=f"fuseflow run summary ({s['algorithm']} on {s['task']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    for key in ("accuracy_before", "accuracy_after", "accuracy_gain", "reward_first", "reward_last", "steps",
+                "wall_seconds", "samples_per_second", "tokens_per_second"):
+        table.add_row(key, fmt(s[key]))
+    for stage, sec in s["stage_seconds"].items():
+        table.add_row(f"  seconds in {stage}", fmt(sec))
+    console.print(table)
+    console.print(f"Run directory: {run_dir}  (summary.json, metrics.jsonl, trace.json, plots/, checkpoints/)")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

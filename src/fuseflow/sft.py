@@ -1,0 +1,133 @@
+"""SFT warm start: train the policy on task demonstrations before RL.
+
+RL needs a policy that sometimes succeeds. ``ensure_sft_model`` trains one from the
+task's demonstrations, stopping when held-out accuracy stops improving (so the
+baseline RL is compared with is not under-trained), and caches the result under a
+hash of everything that determines it, so a second run reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from fuseflow.config import Config
+from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.evaluate import encode_prompts, evaluate
+from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.tasks import Task
+from fuseflow.workers.common import autocast, clipped_step, response_logprobs, set_lr
+
+SFT_VERSION = 1  # bump when the SFT recipe changes, to invalidate cached models
+
+
+def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup then cosine decay to ``min_ratio * base`` at ``total``."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def sft_cache_dir(cfg: Config) -> Path:
+    key = cfg.digest("task", "model", "sft") + f"-s{cfg.seed}-v{SFT_VERSION}"
+    return Path(cfg.cache_dir).expanduser() / "sft" / key
+
+
+def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> Batch:
+    prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs], max_prompt_len)
+    resp_ids = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
+    resp_ids = [r[: max_response_len - 1] + [tokenizer.eos_token_id] for r in resp_ids]
+    pad = tokenizer.pad_token_id
+    p_mask = pad_sequences([[1] * len(x) for x in prompt_ids], 0, left=True)
+    r_mask = pad_sequences([[1] * len(x) for x in resp_ids], 0, left=False)
+    return Batch({"input_ids": torch.cat([pad_sequences(prompt_ids, pad, True), pad_sequences(resp_ids, pad, False)], 1),
+                  "attention_mask": torch.cat([p_mask, r_mask], 1), "response_mask": r_mask.float()})
+
+
+def new_model(cfg: Config, tokenizer) -> CausalLM:
+    if cfg.model.path:
+        return CausalLM.from_pretrained(cfg.model.path)
+    mcfg = ModelConfig.preset(cfg.model.size, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              max_position_embeddings=cfg.model.max_prompt_len + cfg.model.max_response_len)
+    return CausalLM.from_config(mcfg, seed=cfg.seed)
+
+
+def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) -> tuple[CausalLM, list[dict]]:
+    """Train on demonstrations with early stopping on held-out greedy accuracy; returns the best model."""
+    demos = task.demonstrations()
+    if not demos:
+        raise ValueError(f"task {task.name!r} has no demonstrations for SFT; add a 'response' column to the data, "
+                         "or start from a trained model with model.path=DIR and sft.enabled=false")
+    s = cfg.sft
+    model = new_model(cfg, tokenizer).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(cfg.seed)
+    eval_prompts = task.eval_prompts()[: s.eval_size]
+    curve, best, best_state, since_best = [], -1.0, None, 0
+    order, pos = torch.randperm(len(demos), generator=g), 0
+    task_id = progress.add_task("SFT", total=s.max_steps) if progress else None
+    t0 = time.perf_counter()
+    for step in range(1, s.max_steps + 1):
+        if pos + s.batch_size > len(order):
+            order, pos = torch.randperm(len(demos), generator=g), 0
+        pairs = [demos[i] for i in order[pos : pos + s.batch_size].tolist()]
+        pos += s.batch_size
+        batch = demo_batch(tokenizer, pairs, cfg.model.max_prompt_len, cfg.model.max_response_len).to(device)
+        set_lr(opt, lr_at(step - 1, s.max_steps, s.lr, s.warmup_steps, 0.1))
+        model.train()
+        with autocast(device, dtype):
+            logp = response_logprobs(model, batch, 1.0)
+        mask = batch["response_mask"]
+        loss = -(logp * mask).sum() / mask.sum()
+        loss.backward()
+        clipped_step(model, opt, 1.0, "sft")
+        if step % s.eval_every == 0 or step == s.max_steps:
+            ev = evaluate(model, tokenizer, task, eval_prompts, cfg.model.max_prompt_len, cfg.model.max_response_len)
+            curve.append({"step": step, "loss": float(loss.detach()), "accuracy": ev["accuracy"], "reward": ev["reward"],
+                          "seconds": time.perf_counter() - t0})
+            if ev["accuracy"] > best:
+                best, since_best = ev["accuracy"], 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                since_best += 1
+            if progress:
+                progress.update(task_id, completed=step,
+                                description=f"SFT loss {float(loss):.3f} held-out acc {ev['accuracy']:.3f}")
+            if since_best >= s.patience:
+                break
+        elif progress:
+            progress.update(task_id, completed=step)
+    if progress:
+        progress.update(task_id, completed=s.max_steps, visible=False)
+    model.load_state_dict(best_state)
+    return model, curve
+
+
+def ensure_sft_model(cfg: Config, task: Task, tokenizer, device, dtype, progress=None, log=print) -> tuple[Path, list]:
+    """Directory of the SFT model for this config: from the cache, or trained now and cached.
+
+    Returns (model_dir, sft_curve). The directory also holds the tokenizer.
+    """
+    cache = sft_cache_dir(cfg)
+    if (cache / "sft_curve.json").is_file():
+        log(f"SFT: reusing cached model {cache}")
+        return cache, json.loads((cache / "sft_curve.json").read_text())
+    log("SFT: training the warm-start model on task demonstrations (cached for later runs)")
+    model, curve = train_sft(cfg, task, tokenizer, device, dtype, progress)
+    tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "sft_curve.json").write_text(json.dumps(curve))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return cache, curve

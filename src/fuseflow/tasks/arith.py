@@ -1,0 +1,71 @@
+"""Multi-digit addition with an exact-answer reward.
+
+Prompts look like ``"47+385="``; the correct response is ``"432"``. The SFT
+demonstrations come from two annotators: a careful one, and a careless one who adds
+column by column but ignores carries (``47+385`` -> ``322``), as people do when
+rushing. ``demo_error_rate`` is the careless annotator's share. Imitation learns the
+mixture; the exact-answer reward is what tells RL which annotator was right.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from .base import Prompt, Task
+
+
+def carryless_sum(a: int, b: int) -> int:
+    """Column-wise sum modulo 10, i.e. addition with every carry dropped."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def _held_out(a: int, b: int) -> bool:
+    # A fixed hash of the problem decides the split, so train and held-out never share one.
+    # (crc32, not arithmetic on a and b, which would correlate the split with carries.)
+    return zlib.crc32(f"{a}+{b}".encode()) % 10 == 0
+
+
+class ArithTask(Task):
+    name = "arith"
+
+    def __init__(self, seed: int = 1234, train_size: int = 20000, eval_size: int = 500,
+                 max_digits: int = 3, demo_error_rate: float = 0.6):
+        self.seed, self.max_digits, self.demo_error_rate = seed, max_digits, demo_error_rate
+        self._train = self._make(train_size, held_out=False, salt=0)
+        self._eval = self._make(eval_size, held_out=True, salt=1)
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.max_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+    def _make(self, n: int, held_out: bool, salt: int) -> list[Prompt]:
+        rng = random.Random(self.seed * 1000 + salt)
+        out: list[Prompt] = []
+        while len(out) < n:
+            a, b = self._operand(rng), self._operand(rng)
+            if _held_out(a, b) == held_out:
+                out.append(Prompt(f"{a}+{b}=", str(a + b), {"a": a, "b": b}))
+        return out
+
+    def train_prompts(self) -> list[Prompt]:
+        return self._train
+
+    def eval_prompts(self) -> list[Prompt]:
+        return self._eval
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        return 1.0 if response.strip() == prompt.answer else 0.0
+
+    def demonstrations(self) -> list[tuple[Prompt, str]]:
+        rng = random.Random(self.seed * 1000 + 2)
+        demos = []
+        for p in self._train:
+            careless = rng.random() < self.demo_error_rate
+            a, b = p.meta["a"], p.meta["b"]
+            demos.append((p, str(carryless_sum(a, b) if careless else a + b)))
+        return demos

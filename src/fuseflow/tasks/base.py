@@ -1,0 +1,63 @@
+"""The task contract: prompts, a verifiable reward and SFT demonstrations."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task.
+
+    text:   the prompt string fed to the model (the response continues it directly)
+    answer: the reference answer the reward checks against, when the task has one
+    meta:   task-specific extras (e.g. the operands), passed to the reward function
+    """
+
+    text: str
+    answer: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+class Task(ABC):
+    """A source of train/held-out prompts, a reward function and SFT demonstrations.
+
+    Held-out prompts never appear among the training prompts, so held-out accuracy
+    measures generalisation rather than memorisation.
+    """
+
+    name: str = "task"
+    success_threshold: float = 1.0  # reward at or above this counts as a correct response
+
+    @abstractmethod
+    def train_prompts(self) -> list[Prompt]: ...
+
+    @abstractmethod
+    def eval_prompts(self) -> list[Prompt]: ...
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, response: str) -> float: ...
+
+    def demonstrations(self) -> list[tuple[Prompt, str]]:
+        """(prompt, response) pairs for the SFT warm start; empty if the task has none."""
+        return []
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        """The reward, checked: an exception or a non-finite value becomes a clear error."""
+        try:
+            value = float(self.reward(prompt, response))
+        except Exception as exc:  # noqa: BLE001 - user code; re-raised with context
+            raise RewardError(f"reward function of task {self.name!r} raised {type(exc).__name__}: {exc}") from exc
+        if not math.isfinite(value):
+            return float("nan")
+        return value
+
+    def is_correct(self, prompt: Prompt, response: str) -> bool:
+        value = self.score(prompt, response)
+        return math.isfinite(value) and value >= self.success_threshold
+
+
+class RewardError(RuntimeError):
+    """The user's reward function raised; the message names the task and the error."""

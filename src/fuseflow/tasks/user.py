@@ -1,0 +1,109 @@
+"""User data: JSONL or Parquet prompts plus a reward function named by the user.
+
+Each row needs a ``prompt`` column; ``answer`` (passed to the reward) and
+``response`` (an SFT demonstration) are optional. The reward function is given as
+``package.module:function`` or ``path/to/file.py:function`` and is called as
+``fn(prompt: str, response: str, answer: str | None) -> float``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from .base import Prompt, Task
+
+
+class DataError(ValueError):
+    """Bad user data: a missing file, an empty dataset or a missing column."""
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    """Rows of a ``.jsonl`` or ``.parquet`` file, each with at least a ``prompt`` field."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"task.path: {path} does not exist; pass a .jsonl or .parquet file with a 'prompt' column")
+    if p.suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+    else:
+        raise DataError(f"task.path: {path} has suffix {p.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise DataError(f"task.path: {path} has no rows; the dataset is empty")
+    missing = [i for i, r in enumerate(rows) if not isinstance(r.get("prompt"), str) or not r["prompt"]]
+    if missing:
+        raise DataError(f"{path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
+    return rows
+
+
+def load_function(spec: str) -> Callable:
+    """Import ``package.module:function`` or ``path/to/file.py:function``."""
+    if ":" not in spec:
+        raise DataError(f"task.reward_fn: {spec!r} should look like package.module:function or file.py:function")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise DataError(f"task.reward_fn: file {target} does not exist")
+        mod_spec = importlib.util.spec_from_file_location(f"fuseflow_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise DataError(f"task.reward_fn: cannot import {target!r} ({exc})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise DataError(f"task.reward_fn: {target} has no function {name!r}")
+    return fn
+
+
+class FileTask(Task):
+    name = "file"
+
+    def __init__(self, path: str, reward_fn: str, eval_path: str | None = None,
+                 eval_size: int = 500, success_threshold: float = 1.0):
+        self.success_threshold = success_threshold
+        self._fn = load_function(reward_fn)
+        rows = load_rows(path)
+        if eval_path:
+            train_rows, eval_rows = rows, load_rows(eval_path)
+        else:
+            # Hold out a stable ~10% by hashing the prompt text, at most eval_size rows.
+            held = [zlib.crc32(r["prompt"].encode()) % 10 == 0 for r in rows]
+            eval_rows = [r for r, h in zip(rows, held) if h][:eval_size]
+            train_rows = [r for r, h in zip(rows, held) if not h] or rows
+        self._train = [self._prompt(r) for r in train_rows]
+        self._eval = [self._prompt(r) for r in eval_rows] or self._train[: min(eval_size, len(self._train))]
+        self._demos = [(self._prompt(r), str(r["response"])) for r in train_rows if r.get("response")]
+
+    @staticmethod
+    def _prompt(row: dict) -> Prompt:
+        answer = row.get("answer")
+        return Prompt(row["prompt"], None if answer is None else str(answer), {})
+
+    def train_prompts(self) -> list[Prompt]:
+        return self._train
+
+    def eval_prompts(self) -> list[Prompt]:
+        return self._eval
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        return self._fn(prompt.text, response, prompt.answer)
+
+    def demonstrations(self) -> list[tuple[Prompt, str]]:
+        return self._demos

@@ -1,0 +1,87 @@
+"""PNG plots of a run directory: reward/accuracy, response lengths, stage times, SFT curve."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on training machines
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .metrics import read_metrics  # noqa: E402
+
+
+def stage_seconds_per_step(trace_path: Path) -> dict[int, dict[str, float]]:
+    """{step: {stage: seconds}} from the spans of ``trace.json``."""
+    if not trace_path.exists():
+        return {}
+    out: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in json.loads(trace_path.read_text()).get("traceEvents", []):
+        if e.get("ph") == "X":
+            out[e["args"].get("step", 0)][e["name"]] += e["dur"] / 1e6
+    return out
+
+
+def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Path]:
+    """Write ``plots/*.png`` for a run and return their paths."""
+    run_dir = Path(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    rows = read_metrics(run_dir)
+    steps = [r["step"] for r in rows]
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.get("reward/mean") for r in rows], label="train reward (sampled)")
+    ax.plot(steps, [r.get("reward/accuracy") for r in rows], label="train accuracy (sampled)", alpha=0.7)
+    if evals:
+        ev = sorted(evals, key=lambda e: e["step"])
+        ax.plot([e["step"] for e in ev], [e["accuracy"] for e in ev], "o-", label="held-out accuracy (greedy)")
+    ax.set(xlabel="RL step", ylabel="value", title="Reward and accuracy", ylim=(0, 1.05))
+    ax.legend()
+    written.append(_save(fig, out_dir / "reward.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("mean", "mean"), ("max", "max"), ("min", "min")):
+        ax.plot(steps, [r.get(f"rollout/response_length_{key}") for r in rows], label=label)
+    ax.set(xlabel="RL step", ylabel="tokens", title="Response length")
+    ax.legend()
+    written.append(_save(fig, out_dir / "response_length.png"))
+
+    per_step = stage_seconds_per_step(run_dir / "trace.json")
+    stages = [s for s in ("generate", "reward", "old_logprob", "reference", "values", "advantages",
+                          "critic_update", "actor_update", "weight_sync")
+              if any(s in v for v in per_step.values())]
+    if per_step and stages:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = sorted(k for k in per_step if k > 0)
+        bottom = [0.0] * len(xs)
+        for s in stages:
+            ys = [per_step[x].get(s, 0.0) for x in xs]
+            ax.bar(xs, ys, bottom=bottom, label=s, width=1.0)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+        ax.set(xlabel="RL step", ylabel="seconds", title="Time per stage")
+        ax.legend(fontsize=7)
+        written.append(_save(fig, out_dir / "stage_time.png"))
+
+    if sft_curve:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([c["step"] for c in sft_curve], [c["accuracy"] for c in sft_curve], "o-", label="held-out accuracy")
+        ax2 = ax.twinx()
+        ax2.plot([c["step"] for c in sft_curve], [c["loss"] for c in sft_curve], color="gray", alpha=0.6,
+                 label="train loss")
+        ax.set(xlabel="SFT step", ylabel="held-out accuracy (greedy)", title="SFT warm start (early-stopped)")
+        ax2.set_ylabel("loss")
+        ax.legend(loc="lower right")
+        written.append(_save(fig, out_dir / "sft_curve.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

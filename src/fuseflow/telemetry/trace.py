@@ -1,0 +1,58 @@
+"""Timeline spans in Chrome trace format (open ``trace.json`` in Perfetto or chrome://tracing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Tracer:
+    """Records named spans per track and accumulates seconds per stage name.
+
+    Each span is a complete event (``ph: "X"``) with microsecond ``ts``/``dur``; ``tid``
+    is the track (one per worker once work runs on several), ``args.step`` the RL step.
+    """
+
+    def __init__(self, path: Path | None = None, tracks: dict[int, str] | None = None):
+        self.path = Path(path) if path else None
+        self.events: list[dict] = []
+        self.tracks = tracks or {0: "trainer"}
+        self.totals: dict[str, float] = defaultdict(float)
+        self._t0 = time.perf_counter()
+        if self.path and self.path.exists():  # resume: keep the spans already recorded
+            try:
+                old = json.loads(self.path.read_text())
+                self.events = [e for e in old.get("traceEvents", []) if e.get("ph") == "X"]
+                if self.events:
+                    end = max(e["ts"] + e["dur"] for e in self.events)
+                    self._t0 -= end / 1e6
+            except (json.JSONDecodeError, KeyError):
+                self.events = []
+
+    @contextmanager
+    def span(self, name: str, step: int, track: int = 0, **args):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.totals[name] += end - start
+            self.events.append({"name": name, "ph": "X", "pid": 0, "tid": track,
+                                "ts": round((start - self._t0) * 1e6, 1), "dur": round((end - start) * 1e6, 1),
+                                "args": {"step": step, **args}})
+
+    def drop_after(self, step: int) -> None:
+        self.events = [e for e in self.events if e["args"].get("step", 0) <= step]
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+                for t, n in self.tracks.items()]
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
+        os.replace(tmp, self.path)

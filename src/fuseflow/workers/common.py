@@ -1,0 +1,98 @@
+"""Shared pieces of the role workers: sample packing, log-probs and the optimizer step."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import nullcontext
+
+import torch
+
+from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.rollout.base import Sample
+
+
+def samples_to_batch(samples: list[Sample], pad_id: int, prompts: list[str], responses: list[str]) -> Batch:
+    """Pack finished samples into the (prompt left-padded | response right-padded) layout of ``Batch``."""
+    p_ids = [s.prompt_ids for s in samples]
+    r_ids = [s.response_ids for s in samples]
+    prompt = pad_sequences(p_ids, pad_id, left=True)
+    response = pad_sequences(r_ids, pad_id, left=False)
+    p_mask = pad_sequences([[1] * len(x) for x in p_ids], 0, left=True)
+    r_mask = pad_sequences([[1] * len(x) for x in r_ids], 0, left=False)
+    behavior = torch.zeros(response.shape)
+    for i, s in enumerate(samples):
+        behavior[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return Batch(
+        {
+            "input_ids": torch.cat([prompt, response], dim=1),  # (B, Tp+Tr)
+            "attention_mask": torch.cat([p_mask, r_mask], dim=1),  # (B, Tp+Tr)
+            "response_mask": r_mask.float(),  # (B, Tr)
+            "behavior_logprobs": behavior,  # (B, Tr)
+        },
+        {
+            "uid": [s.uid for s in samples],
+            "group_id": [s.group_id for s in samples],
+            "prompt": prompts,
+            "response": responses,
+            "finish_reason": [s.finish_reason for s in samples],
+            "policy_version": [s.policy_version for s in samples],
+        },
+    )
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return nullcontext()
+
+
+def response_slice(batch: Batch) -> slice:
+    """Columns of the logits that predict the response tokens."""
+    tp = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    return slice(tp - 1, batch["input_ids"].shape[1] - 1)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
+    """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    logits = logits[:, response_slice(batch)].float() / temperature  # (B, Tr, V)
+    targets = ids[:, -batch["response_mask"].shape[1]:]  # (B, Tr)
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, role: str) -> float:
+    """Clip gradients and step; a non-finite gradient skips the step with a warning (weights stay intact)."""
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if not math.isfinite(norm):
+        warnings.warn(f"{role}: non-finite gradient norm ({norm}); skipping this optimizer step", stacklevel=2)
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def mean_metrics(records: list[dict]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    out = {}
+    for k in keys:
+        vals = [float(r[k]) for r in records if k in r]
+        out[k] = sum(vals) / len(vals)
+    return out

@@ -1,0 +1,50 @@
+"""Critic role: a value model trained on GAE returns (PPO only)."""
+
+from __future__ import annotations
+
+import torch
+
+from fuseflow.algorithms import aggregation_counts, value_loss
+from fuseflow.data.batch import Batch
+
+from .actor import minibatches
+from .common import autocast, clipped_step, mean_metrics, position_ids, response_slice, set_lr
+
+
+class CriticWorker:
+    """Owns a ``ValueModel`` and its optimizer."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer):
+        self.model, self.device, self.dtype, self.algo, self.cfg = model, device, dtype, algo, trainer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.critic_lr,
+                                           weight_decay=trainer.weight_decay, betas=(0.9, 0.95))
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        mask = mb["attention_mask"]
+        with autocast(self.device, self.dtype):
+            v = self.model(mb["input_ids"], attention_mask=mask, position_ids=position_ids(mask))
+        return v[:, response_slice(mb)].float()  # (B, Tr): value of the state before each response token
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return torch.cat([self._values(mb.to(self.device)).cpu() for mb in batch.split(self.cfg.micro_batch_size)])
+
+    def update(self, batch: Batch, lr: float, seed: int) -> dict[str, float]:
+        self.model.train()
+        set_lr(self.optimizer, lr)
+        records = []
+        for idx in minibatches(len(batch), self.cfg.mini_batch_size, self.cfg.epochs, seed):
+            mini = batch.select(idx)
+            n_tok, n_seq = aggregation_counts(mini["response_mask"])
+            rec = {"critic/loss": 0.0}
+            for mb in mini.split(self.cfg.micro_batch_size):
+                mb = mb.to(self.device)
+                loss, m = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
+                                     self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq)
+                loss.backward()
+                rec["critic/loss"] += float(loss)
+                rec["critic/vf_clip_frac"] = float(m["vf_clip_frac"])
+            rec["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "critic")
+            records.append(rec)
+        return mean_metrics(records)

@@ -1,0 +1,48 @@
+"""Batch: select/split/concat/token-budget chunks keep fields aligned."""
+
+import pytest
+import torch
+
+from fuseflow.data.batch import Batch, pad_sequences, unpad
+
+
+def _batch():
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 1, 0], [3, 3, 3, 3]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    return Batch({"input_ids": ids, "attention_mask": mask}, {"uid": [10, 11, 12]})
+
+
+def test_select_split_concat_round_trip():
+    b = _batch()
+    s = b.select([2, 0])
+    assert s.meta["uid"] == [12, 10] and s["input_ids"][0].tolist() == [3, 3, 3, 3]
+    parts = b.split(2)
+    assert [len(p) for p in parts] == [2, 1]
+    back = Batch.concat(parts)
+    assert torch.equal(back["input_ids"], b["input_ids"]) and back.meta["uid"] == b.meta["uid"]
+
+
+def test_chunk_by_token_budget():
+    b = _batch()  # real lengths 3, 3, 4
+    chunks = b.chunk_by_token_budget(7)
+    assert [c.meta["uid"] for c in chunks] == [[10, 11], [12]]
+    assert [c.meta["uid"] for c in b.chunk_by_token_budget(1)] == [[10], [11], [12]]  # at least one each
+    assert len(b.chunk_by_token_budget(100)) == 1
+
+
+def test_mismatched_sizes_rejected():
+    with pytest.raises(ValueError, match="disagree"):
+        Batch({"a": torch.zeros(2)}, {"uid": [1, 2, 3]})
+    b = _batch()
+    with pytest.raises(ValueError, match="batch size"):
+        b["x"] = torch.zeros(5)
+
+
+def test_pad_and_unpad():
+    left = pad_sequences([[1, 2], [3]], 0, left=True)
+    assert left.tolist() == [[1, 2], [0, 3]]
+    right = pad_sequences([[1, 2], [3]], 9, left=False, width=3)
+    assert right.tolist() == [[1, 2, 9], [3, 9, 9]]
+    assert unpad(left[1], left[1] != 0) == [3]
+    with pytest.raises(ValueError, match="more than the width"):
+        pad_sequences([[1, 2, 3]], 0, left=True, width=2)

@@ -1,0 +1,60 @@
+"""Checkpoints: pickle-free optimizer round trip, atomic directories, clear errors."""
+
+import pytest
+import torch
+
+from fuseflow.checkpoint import find_checkpoint, latest_checkpoint, load_optimizer, save_checkpoint, save_optimizer
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def save_pretrained(self, path):
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict(), str(path / "model.safetensors"))
+
+
+def _trained_opt(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model.lin(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_optimizer_round_trip_is_exact(tmp_path):
+    torch.manual_seed(0)
+    m = _Tiny()
+    opt = _trained_opt(m)
+    save_optimizer(opt, tmp_path / "opt")
+    m2 = _Tiny()
+    m2.load_state_dict(m.state_dict())
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    load_optimizer(opt2, tmp_path / "opt")
+    x = torch.randn(4, 3)
+    for model, o in ((m, opt), (m2, opt2)):
+        model.lin(x).pow(2).sum().backward()
+        o.step()
+    assert opt2.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
+
+
+def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
+    m = _Tiny()
+    opt = _trained_opt(m)
+    assert latest_checkpoint(tmp_path) is None
+    p1 = save_checkpoint(tmp_path, 1, {"actor": m}, {"actor": opt}, {"cursor": 5})
+    p2 = save_checkpoint(tmp_path, 2, {"actor": m}, {"actor": opt}, {"cursor": 9})
+    assert latest_checkpoint(tmp_path) == p2 and find_checkpoint(tmp_path, 1) == p1
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if ".tmp" in p.name]
+    # A half-written directory from a crash is ignored: only renamed ones count.
+    (tmp_path / "checkpoints" / ".step_3.tmp-123").mkdir()
+    assert latest_checkpoint(tmp_path) == p2
+    with pytest.raises(FileNotFoundError, match="have: step_1, step_2"):
+        find_checkpoint(tmp_path, 7)
