@@ -364,3 +364,23 @@ def test_expanded_kv_heads_match_native_gqa(monkeypatch) -> None:
     scores = scores.masked_fill(~mask[1, 0], float("-inf"))
     torch.testing.assert_close(native[1, 3], scores.softmax(-1) @ v[1, 1])
     torch.testing.assert_close(expanded, native)
+
+
+def test_single_row_decode_with_left_padding_ignores_pad_keys():
+    # Regression: a batch of one left-padded row once dropped its mask during decode, so the
+    # query attended to the padding keys (seen as a 0.02 log-prob gap between sampler and trainer).
+    torch.manual_seed(0)
+    model = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=32), seed=3).eval()
+    prompt, steps = [5, 6, 7], [8, 9, 10]
+    ids = torch.tensor([[0, 0] + prompt])
+    mask = torch.tensor([[0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + steps])).logits[0, len(prompt) - 1:]
+        out = model(ids, attention_mask=mask, use_cache=True)
+        got = [out.logits[0, -1]]
+        for tok in steps:
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
+            out = model(torch.tensor([[tok]]), attention_mask=mask, past_key_values=out.past_key_values,
+                        use_cache=True)
+            got.append(out.logits[0, -1])
+    assert torch.allclose(torch.stack(got), full, atol=1e-5)

@@ -87,8 +87,9 @@ class RLTrainer:
         actor = CausalLM.from_pretrained(actor_dir).to(self.device)
         reference = CausalLM.from_pretrained(ref_dir).to(self.device)
         t, a = cfg.trainer, cfg.algorithm
+        norm_len = cfg.model.max_response_len
         self.actor = ActorWorker(actor, Sampler(actor, self.tokenizer.pad_token_id), self.device, self.dtype, a, t,
-                                 cfg.rollout.temperature)
+                                 cfg.rollout.temperature, norm_len)
         self.reference = ReferenceWorker(reference, self.device, self.dtype, cfg.rollout.temperature,
                                          t.micro_batch_size)
         self.reward = RewardWorker(self.task)
@@ -96,7 +97,7 @@ class RLTrainer:
         if a.name == "ppo":
             critic = (ValueModel.from_pretrained(ckpt / "critic") if ckpt
                       else ValueModel.from_causal_lm(CausalLM.from_pretrained(ref_dir)))
-            self.critic = CriticWorker(critic.to(self.device), self.device, self.dtype, a, t)
+            self.critic = CriticWorker(critic.to(self.device), self.device, self.dtype, a, t, norm_len)
         self.start_step, self.stream = 0, PromptStream(len(self.train_prompts), cfg.seed)
         self.evals: list[dict] = []
         if ckpt:
@@ -184,7 +185,7 @@ class RLTrainer:
                 "rollout/response_length_mean": float(lengths.mean()),
                 "rollout/response_length_max": float(lengths.max()),
                 "rollout/response_length_min": float(lengths.min()),
-                "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).mean() - lengths.mean()),
+                "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).float().mean() - lengths.mean()),
                 "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
                 "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                 "kl/ref_k3": float(masked_mean(kl, mask))}

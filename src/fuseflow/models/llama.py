@@ -286,8 +286,8 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config, h.device), h.dtype)
         mask = build_attention_mask(attention_mask, t, past_len)
-        if mask is not None and mask.shape[0] == 1:
-            mask = None if t == 1 else mask  # single query, all keys valid: no mask needed
+        if mask is not None and t == 1 and (attention_mask is None or bool(attention_mask.all())):
+            mask = None  # single query and every key is real: causal order needs no mask
         keys, values = [], []
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else (past_key_values.keys[i], past_key_values.values[i])

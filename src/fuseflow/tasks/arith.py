@@ -1,8 +1,9 @@
 """Multi-digit addition with an exact-answer reward.
 
-Prompts look like ``"47+385="``; the correct response is ``"432"``. The SFT
+Operands are zero-padded to ``max_digits`` and the sum to ``max_digits + 1`` digits,
+so every digit sits at a fixed column: ``"047+385="`` -> ``"0432"``. The SFT
 demonstrations come from two annotators: a careful one, and a careless one who adds
-column by column but ignores carries (``47+385`` -> ``322``), as people do when
+column by column but ignores carries (``047+385`` -> ``0322``), as people do when
 rushing. ``demo_error_rate`` is the careless annotator's share. Imitation learns the
 mixture; the exact-answer reward is what tells RL which annotator was right.
 """
@@ -49,8 +50,14 @@ class ArithTask(Task):
         while len(out) < n:
             a, b = self._operand(rng), self._operand(rng)
             if _held_out(a, b) == held_out:
-                out.append(Prompt(f"{a}+{b}=", str(a + b), {"a": a, "b": b}))
+                out.append(Prompt(self.question(a, b), self.answer(a + b), {"a": a, "b": b}))
         return out
+
+    def question(self, a: int, b: int) -> str:
+        return f"{a:0{self.max_digits}d}+{b:0{self.max_digits}d}="
+
+    def answer(self, total: int) -> str:
+        return f"{total:0{self.max_digits + 1}d}"
 
     def train_prompts(self) -> list[Prompt]:
         return self._train
@@ -67,5 +74,5 @@ class ArithTask(Task):
         for p in self._train:
             careless = rng.random() < self.demo_error_rate
             a, b = p.meta["a"], p.meta["b"]
-            demos.append((p, str(carryless_sum(a, b) if careless else a + b)))
+            demos.append((p, self.answer(carryless_sum(a, b) if careless else a + b)))
         return demos

@@ -43,8 +43,8 @@ class ActorWorker(ReferenceWorker):
     """The policy: generates through its rollout backend and trains with the PPO-clip loss."""
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutBackend, device: torch.device, dtype: torch.dtype,
-                 algo, trainer, temperature: float):
-        self.model, self.rollout = model, rollout
+                 algo, trainer, temperature: float, norm_len: int):
+        self.model, self.rollout, self.norm_len = model, rollout, norm_len
         self.device, self.dtype, self.temperature = device, dtype, temperature
         self.algo, self.cfg, self.mbs = algo, trainer, trainer.micro_batch_size
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
@@ -75,18 +75,18 @@ class ActorWorker(ReferenceWorker):
                     logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
                 pg_loss, m = ppo_policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, algo.clip_low,
                                              algo.clip_high, agg=algo.loss_agg, num_global_tokens=n_tok,
-                                             num_global_seqs=n_seq)
+                                             num_global_seqs=n_seq, norm_len=self.norm_len)
                 loss = pg_loss
                 if not algo.kl_in_reward and kl_coef > 0:
                     kl = aggregate(kl_penalty(logp, mb["ref_logprobs"], algo.kl_kind), mask, algo.loss_agg,
-                                   n_tok, n_seq)
+                                   n_tok, n_seq, self.norm_len)
                     loss = loss + kl_coef * kl
                 loss.backward()
                 share = float(mask.sum() / n_tok)  # this micro-batch's share of the mini-batch metrics
                 for k, v in {"actor/pg_loss": pg_loss, "actor/loss": loss, "actor/clip_frac": m["clip_frac"],
                              "actor/approx_kl": m["approx_kl"],
                              "actor/entropy": masked_mean(entropy.detach(), mask)}.items():
-                    rec[k] = rec.get(k, 0.0) + float(v) * (1.0 if k.endswith("loss") else share)
+                    rec[k] = rec.get(k, 0.0) + float(v.detach()) * (1.0 if k.endswith("loss") else share)
             rec["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "actor")
             records.append(rec)
         return mean_metrics(records)

@@ -14,8 +14,10 @@ from .common import autocast, clipped_step, mean_metrics, position_ids, response
 class CriticWorker:
     """Owns a ``ValueModel`` and its optimizer."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer):
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer,
+                 norm_len: int):
         self.model, self.device, self.dtype, self.algo, self.cfg = model, device, dtype, algo, trainer
+        self.norm_len = norm_len  # the configured max response length, for seq-mean-token-sum-norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.critic_lr,
                                            weight_decay=trainer.weight_decay, betas=(0.9, 0.95))
 
@@ -41,9 +43,9 @@ class CriticWorker:
             for mb in mini.split(self.cfg.micro_batch_size):
                 mb = mb.to(self.device)
                 loss, m = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
-                                     self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq)
+                                     self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq, self.norm_len)
                 loss.backward()
-                rec["critic/loss"] += float(loss)
+                rec["critic/loss"] += float(loss.detach())
                 rec["critic/vf_clip_frac"] = float(m["vf_clip_frac"])
             rec["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "critic")
             records.append(rec)
