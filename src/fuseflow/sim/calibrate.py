@@ -1,0 +1,228 @@
+"""Calibration: fit the efficiency factors to a real fuseflow run, then predict its step time.
+
+A run directory holds `config.yaml`, `metrics.jsonl` (one record per RL step),
+`trace.json` (Chrome trace, one "X" event per stage per step) and `model_config.json`
+(the policy's Hugging Face config). For every step we rebuild that step's workload
+from its metrics (sample count, mean prompt length, mean and max response length),
+price each traced stage with the same cost model the simulator uses, and fit the
+efficiency factors (train/infer MFU, decode bandwidth use, per-layer latency, host
+seconds per sample) by least squares on log stage times (Nelder-Mead over log-factors).
+The prediction of a step is the sum of its predicted stages, as in the sequential policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .costmodel import DecodeModel, Layout, infer_cost, train_cost
+from .generation import Seq, run_replica
+from .hardware import HardwareSpec, get_hardware
+from .modelspec import ModelSpec, from_hf_config
+
+STAGES = ("generate", "reference", "values", "reward", "old_logprob", "advantages",
+          "critic_update", "actor_update", "weight_sync")  # fmt: skip
+# Factors fitted, with the bounds that keep them physical.
+FACTORS = {"train_mfu": (1e-4, 1.0), "infer_mfu": (1e-4, 1.0), "decode_mbu": (1e-3, 1.0),
+           "layer_latency_s": (1e-7, 1e-1), "host_seconds_per_sample": (1e-7, 1.0)}  # fmt: skip
+
+
+@dataclass
+class StepRecord:
+    """What one RL step did (from metrics.jsonl) and how long each stage took (from trace.json)."""
+
+    step: int
+    samples: int
+    prompt_mean: float
+    response_mean: float
+    response_max: int
+    step_seconds: float
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunData:
+    model: ModelSpec
+    algorithm: str
+    mini_batch_size: int
+    micro_batch_size: int
+    epochs: int
+    steps: list[StepRecord]
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory; errors name the missing file or key and what to do."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ValueError(f"run_dir {str(run)!r}: not a directory; pass a fuseflow run directory")
+    for name in ("config.yaml", "metrics.jsonl", "trace.json"):
+        if not (run / name).is_file():
+            raise ValueError(f"run_dir {str(run)!r}: missing {name}; pass a directory written by `fuseflow train`")
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    mc = run / "model_config.json"
+    if not mc.is_file() and (cfg.get("model") or {}).get("path"):
+        mc = Path(cfg["model"]["path"]) / "config.json"
+    if not mc.is_file():
+        raise ValueError(f"run_dir {str(run)!r}: missing model_config.json (the policy's HF config.json)")
+    model = from_hf_config(json.loads(mc.read_text()), name=(cfg.get("model") or {}).get("size", "policy"))
+    trainer = cfg.get("trainer") or {}
+    by_step: dict[int, dict[str, float]] = {}
+    for ev in json.loads((run / "trace.json").read_text()).get("traceEvents", []):
+        if ev.get("ph") != "X" or ev.get("name") not in STAGES:
+            continue
+        step = int((ev.get("args") or {}).get("step", -1))
+        stages = by_step.setdefault(step, {})
+        stages[ev["name"]] = stages.get(ev["name"], 0.0) + float(ev["dur"]) / 1e6
+    steps = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        m = json.loads(line)
+        keys = ("step", "time/step_seconds", "rollout/num_samples", "rollout/response_length_mean",
+                "rollout/response_length_max", "rollout/prompt_length_mean")  # fmt: skip
+        if any(k not in m for k in keys):
+            continue  # eval-only or partial records
+        step = int(m["step"])
+        steps.append(StepRecord(step, int(m["rollout/num_samples"]), float(m["rollout/prompt_length_mean"]),
+                                float(m["rollout/response_length_mean"]), int(m["rollout/response_length_max"]),
+                                float(m["time/step_seconds"]), by_step.get(step, {})))  # fmt: skip
+    steps = [s for s in steps if s.stages]
+    if not steps:
+        raise ValueError(f"run_dir {str(run)!r}: no step has both metrics and trace events")
+    return RunData(model, (cfg.get("algorithm") or {}).get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
+                   int(trainer.get("micro_batch_size", 1 << 30)), int(trainer.get("epochs", 1)), steps)  # fmt: skip
+
+
+def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (prompt, response) lengths consistent with a step's mean and max.
+
+    The metrics give only the mean and max, so one sample runs to the max and the
+    others share the rest equally: decode then takes `max` rounds and emits the right
+    token count, which are the two quantities the decode cost depends on most.
+    """
+    n = max(rec.samples, 1)
+    resp = np.full(n, rec.response_mean, dtype=float)
+    if n > 1:
+        resp[:] = max(1.0, (n * rec.response_mean - rec.response_max) / (n - 1))
+        resp[0] = rec.response_max
+    prompt = np.full(n, max(1.0, rec.prompt_mean))
+    return np.round(prompt).astype(int), np.round(resp).astype(int)
+
+
+def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str, float]:
+    """Predicted seconds of each stage of one step on one device (the sequential policy)."""
+    m, lay = run.model, Layout()
+    prompt, resp = step_lengths(rec)
+    seq = (prompt + resp).astype(float)
+    n = len(seq)
+    mean_len = float(seq.mean())
+    mb_tokens = max(1, int(min(run.micro_batch_size, n) * mean_len))
+    mini = max(1, n // min(run.mini_batch_size, n))
+    dm = DecodeModel(m, hw)
+    seqs = [Seq(i, int(p), int(r)) for i, (p, r) in enumerate(zip(prompt, resp, strict=True))]
+    value = m.as_value_model()
+    host = hw.efficiency.host_seconds_per_sample * n
+    out = {
+        "generate": run_replica(dm, seqs).end,
+        "reference": infer_cost(m, hw, lay, seq, mb_tokens).seconds,
+        "old_logprob": infer_cost(m, hw, lay, seq, mb_tokens).seconds,
+        "reward": host,
+        "advantages": host,
+        "actor_update": train_cost(m, hw, lay, seq, mini, run.epochs, mb_tokens).seconds,
+        "weight_sync": 0.0,  # the CPU sampler shares the trainer's weights: nothing moves
+    }
+    if run.algorithm == "ppo":
+        out["values"] = infer_cost(value, hw, lay, seq, mb_tokens).seconds
+        out["critic_update"] = train_cost(value, hw, lay, seq, mini, run.epochs, mb_tokens).seconds
+    return out
+
+
+def _loss(run: RunData, recs: list[StepRecord], hw: HardwareSpec) -> float:
+    err = []
+    for rec in recs:
+        pred = predict_stages(run, rec, hw)
+        for name, obs in rec.stages.items():
+            if name in pred and pred[name] > 0 and obs > 1e-5:
+                err.append(math.log(pred[name] / obs))
+    return float(np.mean(np.square(err))) if err else 0.0
+
+
+def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 400, tol: float = 1e-10) -> np.ndarray:
+    """Minimise f from x0 with the Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink 0.5)."""
+    pts = [x0] + [x0 + step * e for e in np.eye(len(x0))]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if abs(vals[-1] - vals[0]) < tol:
+            break
+        centroid = np.mean(pts[:-1], axis=0)
+        refl = centroid + (centroid - pts[-1])
+        fr = f(refl)
+        if fr < vals[0]:
+            exp = centroid + 2.0 * (centroid - pts[-1])
+            fe = f(exp)
+            pts[-1], vals[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = refl, fr
+        else:
+            con = centroid + 0.5 * (pts[-1] - centroid)
+            fc = f(con)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = con, fc
+            else:
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[int(np.argmin(vals))]
+
+
+def fit(run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None) -> HardwareSpec:
+    """The hardware spec with efficiency factors fitted to `recs` (default: every step)."""
+    recs = recs or run.steps
+    names = list(FACTORS)
+    lo = np.log([FACTORS[k][0] for k in names])
+    hi = np.log([FACTORS[k][1] for k in names])
+
+    def spec(x: np.ndarray) -> HardwareSpec:
+        vals = np.exp(np.clip(x, lo, hi))
+        return hw.with_efficiency(**dict(zip(names, vals.tolist(), strict=True)))
+
+    x0 = np.log([getattr(hw.efficiency, k) for k in names])
+    best = nelder_mead(lambda x: _loss(run, recs, spec(x)), x0)
+    best = nelder_mead(lambda x: _loss(run, recs, spec(x)), best, step=0.1)  # restart: escapes early collapse
+    return spec(best)
+
+
+def calibrate(run_dir: str | Path, hardware: str = "cpu") -> dict:
+    """Fit on all steps and predict the median step time; also fit on even steps, test on odd ones."""
+    run = load_run(run_dir)
+    base = get_hardware(hardware)
+    fitted = fit(run, base)
+    preds = [sum(predict_stages(run, r, fitted).values()) for r in run.steps]
+    measured = [r.step_seconds for r in run.steps]
+    med_pred, med_meas = float(np.median(preds)), float(np.median(measured))
+    out = {
+        "run_dir": str(run_dir), "hardware": hardware, "steps": len(run.steps), "model_params": run.model.params,
+        "fitted_efficiency": {k: float(f"{v:.6g}") for k, v in asdict(fitted.efficiency).items()},
+        "median_step_seconds": {"measured": med_meas, "predicted": med_pred,
+                                "relative_error": (med_pred - med_meas) / med_meas},
+        "stages_median_seconds": {},
+    }  # fmt: skip
+    for name in STAGES:
+        obs = [r.stages[name] for r in run.steps if name in r.stages]
+        if obs:
+            pred = [predict_stages(run, r, fitted).get(name, 0.0) for r in run.steps if name in r.stages]
+            out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
+    if len(run.steps) >= 4:
+        train_recs, test_recs = run.steps[0::2], run.steps[1::2]
+        held = fit(run, base, train_recs)
+        p = float(np.median([sum(predict_stages(run, r, held).values()) for r in test_recs]))
+        m = float(np.median([r.step_seconds for r in test_recs]))
+        out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,
+                           "relative_error": (p - m) / m}  # fmt: skip
+    return out

@@ -1,0 +1,161 @@
+"""CLI commands of the simulator: `simulate`, `plan` and `sim calibrate`.
+
+`register(app)` adds them to the top-level Typer app, so `fuseflow.cli` owns the app
+and this module owns only its commands. Bad input is one line on stderr naming the
+option, the value and what is allowed, then exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+import yaml
+
+from .hardware import get_hardware, hardware_names
+from .modelspec import get_model, model_names
+from .placement import Problem
+from .scenarios import SCENARIOS, run_scenario
+from .search import plan_config_tree, search
+from .workload import LengthDist, Workload
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _emit(data: dict, as_json: bool, out: Path | None, text: str) -> None:
+    blob = json.dumps(data, indent=2, default=_jsonable)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(blob + "\n")
+    typer.echo(blob if as_json else text)
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+def simulate_cmd(
+    scenario: str = typer.Option(..., "--scenario", help=f"one of: {', '.join(SCENARIOS)}"),
+    as_json: bool = typer.Option(False, "--json", help="print the full result as JSON"),
+    out: Path | None = typer.Option(None, "--out", help="also write the JSON result to this file"),
+    trace_dir: Path | None = typer.Option(None, "--trace-dir", help="write Chrome traces and Gantt PNGs here"),
+    iterations: int = typer.Option(1, "--iterations", help="RL steps simulated per policy"),
+) -> None:
+    """Replay a published setting (rlhfuse, hybridflow, rlhfless) under each execution policy."""
+    if scenario not in SCENARIOS:
+        _fail(f"--scenario {scenario!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
+    if iterations < 1:
+        _fail(f"--iterations {iterations}: must be >= 1")
+    result = run_scenario(scenario, trace_dir, iterations)
+    lines = [f"scenario {scenario} on {result['hardware']}"]
+    for case in result["cases"]:
+        pols = ", ".join(f"{p}: {v['iteration_seconds']:.2f}s x{v['speedup_vs_sequential']:.2f} "
+                         f"{v['gpu_seconds']:.0f} GPU-s" for p, v in case.get("policies", {}).items())  # fmt: skip
+        extra = f" best placement: {case['best_placement']}" if "best_placement" in case else ""
+        lines.append(f"  {case['case']}: {pols or 'infeasible'}{extra}")
+    lines.append("summary: " + json.dumps(result["summary"], default=_jsonable))
+    _emit(result, as_json, out, "\n".join(lines))
+
+
+def plan_cmd(
+    model: str = typer.Option(..., "--model", help=f"preset ({', '.join(model_names())}) or config.json path"),
+    gpus: int = typer.Option(..., "--gpus", help="number of devices"),
+    gpu_type: str = typer.Option("H100", "--gpu-type", help=f"one of: {', '.join(hardware_names())}"),
+    as_json: bool = typer.Option(False, "--json", help="print the plans as JSON"),
+    top: int = typer.Option(3, "--top", help="how many plans to show"),
+    write_config: Path | None = typer.Option(None, "--write-config", help="write the best plan as a YAML config"),
+    algorithm: str = typer.Option("ppo", "--algorithm", help="ppo (critic + reward model) or grpo"),
+    critic: str | None = typer.Option(None, "--critic-model", help="critic/reward size (default: the actor's)"),
+    prompts: int = typer.Option(512, "--prompts", help="prompts per RL step"),
+    samples_per_prompt: int = typer.Option(1, "--samples-per-prompt", help="responses per prompt"),
+    prompt_len: int = typer.Option(1024, "--prompt-len", help="prompt tokens (max of a log-normal)"),
+    response_len: int = typer.Option(1024, "--response-len", help="response cap (long-tailed log-normal)"),
+    policies: str = typer.Option("sequential,fused,async", "--policies", help="comma-separated policies to try"),
+) -> None:
+    """Search placements, layouts and execution policies for an RL job; print the best plans."""
+    try:
+        spec = get_model(model)
+    except ValueError:
+        _fail(f"--model {model!r}: unknown; choose one of: {', '.join(model_names())} or a config.json path")
+    try:
+        hw = get_hardware(gpu_type)
+    except ValueError:
+        _fail(f"--gpu-type {gpu_type!r}: unknown; choose one of: {', '.join(hardware_names())}")
+    for name, value in (("--gpus", gpus), ("--top", top), ("--prompts", prompts),
+                        ("--samples-per-prompt", samples_per_prompt), ("--prompt-len", prompt_len),
+                        ("--response-len", response_len)):  # fmt: skip
+        if value <= 0:
+            _fail(f"{name} {value}: must be > 0")
+    if algorithm not in ("ppo", "grpo"):
+        _fail(f"--algorithm {algorithm!r}: unknown; choose ppo or grpo")
+    crit = None
+    if critic is not None:
+        try:
+            crit = get_model(critic)
+        except ValueError:
+            _fail(f"--critic-model {critic!r}: unknown; choose one of: {', '.join(model_names())}")
+    wl = Workload(
+        prompts=prompts, samples_per_prompt=samples_per_prompt, algorithm=algorithm, reward_model=algorithm == "ppo",
+        prompt_len=LengthDist("lognormal", max_len=prompt_len, median=prompt_len / 4, sigma=0.5),
+        response_len=LengthDist("lognormal", max_len=response_len, median=response_len / 4, sigma=0.8),
+    )  # fmt: skip
+    pols = tuple(p.strip() for p in policies.split(",") if p.strip())
+    try:
+        problem = Problem.build(spec, hw, gpus, wl, critic=crit)
+        cands, stats = search(problem, policies=pols, top=top)
+    except ValueError as err:
+        _fail(str(err))
+    data = {
+        "model": spec.name, "gpus": gpus, "gpu_type": hw.name, "algorithm": algorithm,
+        "workload": {"prompts": prompts, "samples_per_prompt": samples_per_prompt,
+                     "prompt_len_max": prompt_len, "response_len_max": response_len},
+        "plans": [c.to_dict() for c in cands], "search": stats,
+    }  # fmt: skip
+    if write_config is not None:
+        write_config.parent.mkdir(parents=True, exist_ok=True)
+        tree = plan_config_tree(problem, cands[0])
+        write_config.write_text(f"# fuseflow plan: {spec.name} on {gpus} x {hw.name}\n" + yaml.safe_dump(tree, sort_keys=False))
+    lines = [f"{spec.name} on {gpus} x {hw.name} ({algorithm}), searched in {stats['seconds']}s:"]
+    for i, c in enumerate(data["plans"], 1):
+        sets = " | ".join(f"{'+'.join(s['roles'])}:{s['gpus']}" for s in c["sets"])
+        lines.append(f"  {i}. {c['iteration_seconds']:.2f}s/step with {c['policy']}; {c['placement']} [{sets}]; "
+                     f"generation tp{c['generation']['tp']} pp{c['generation']['pp']}; "
+                     f"layouts {c['layouts']}; peak GB/GPU {c['memory_gb_per_gpu']}")  # fmt: skip
+    _emit(data, as_json, None, "\n".join(lines))
+
+
+def calibrate_cmd(
+    run_dir: Path = typer.Argument(..., help="a fuseflow run directory (config.yaml, metrics.jsonl, trace.json)"),
+    hardware: str = typer.Option("cpu", "--hardware", help=f"hardware spec to fit: {', '.join(hardware_names())}"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Fit efficiency factors to a run's trace and predict its median step time."""
+    from .calibrate import calibrate
+
+    try:
+        get_hardware(hardware)
+        result = calibrate(run_dir, hardware)
+    except ValueError as err:
+        _fail(str(err))
+    med = result["median_step_seconds"]
+    text = (f"fitted {result['fitted_efficiency']}\n"
+            f"median step: measured {med['measured']:.3f}s, predicted {med['predicted']:.3f}s "
+            f"({100 * med['relative_error']:+.1f}%)")  # fmt: skip
+    if "held_out" in result:
+        text += f"\nheld-out (fit even steps, test odd): {100 * result['held_out']['relative_error']:+.1f}%"
+    _emit(result, as_json, None, text)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `simulate`, `plan` and the `sim` group (with `calibrate`) to a Typer app."""
+    app.command("simulate")(simulate_cmd)
+    app.command("plan")(plan_cmd)
+    sim = typer.Typer(help="Cluster simulator utilities.", no_args_is_help=True)
+    sim.command("calibrate")(calibrate_cmd)
+    app.add_typer(sim, name="sim")

@@ -1,0 +1,75 @@
+"""Calibration recovers known efficiency factors from a synthetic run directory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from fuseflow.sim.calibrate import StepRecord, calibrate, load_run, predict_stages, step_lengths
+from fuseflow.sim.hardware import get_hardware
+
+TINY = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 384, "vocab_size": 40, "tie_word_embeddings": True}  # fmt: skip
+TRUE = {"train_mfu": 0.12, "infer_mfu": 0.2, "layer_latency_s": 4e-4, "host_seconds_per_sample": 5e-5}
+
+
+def fabricate(run_dir, algorithm: str = "ppo", steps: int = 12, noise: float = 0.03) -> float:
+    """Write a run dir whose stage times come from known factors; returns the true median step time."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({
+        "model": {"size": "tiny"}, "algorithm": {"name": algorithm},
+        "trainer": {"mini_batch_size": 64, "micro_batch_size": 32, "epochs": 1},
+    }))  # fmt: skip
+    (run_dir / "model_config.json").write_text(json.dumps(TINY))
+    from fuseflow.sim.calibrate import RunData
+    from fuseflow.sim.modelspec import from_hf_config
+
+    run = RunData(from_hf_config(TINY), algorithm, 64, 32, 1, [])
+    hw = get_hardware("cpu").with_efficiency(**TRUE)
+    rng = np.random.default_rng(0)
+    events, metrics, totals = [], [], []
+    t = 0.0
+    for k in range(steps):
+        rec = StepRecord(k, 128, 20.0 + 3 * (k % 4), 6.0 + 2.0 * (k % 5), 16 + 4 * (k % 3), 0.0)
+        stages = predict_stages(run, rec, hw)
+        total = 0.0
+        for name, secs in stages.items():
+            secs = secs * (1 + noise * rng.uniform(-1, 1)) if secs > 0 else 1e-6
+            events.append({"name": name, "ph": "X", "ts": t * 1e6, "dur": secs * 1e6, "pid": 0, "tid": 0,
+                           "args": {"step": k}})  # fmt: skip
+            t += secs
+            total += secs
+        totals.append(total * 1.02)  # logging and data loading outside the traced stages
+        metrics.append({"step": k, "time/step_seconds": total * 1.02, "rollout/num_samples": rec.samples,
+                        "rollout/prompt_length_mean": rec.prompt_mean, "rollout/response_length_mean": rec.response_mean,
+                        "rollout/response_length_max": rec.response_max})  # fmt: skip
+    (run_dir / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    return float(np.median(totals))
+
+
+def test_step_lengths_keep_mean_and_max():
+    prompt, resp = step_lengths(StepRecord(0, 10, 12.0, 5.0, 14, 1.0))
+    assert resp.max() == 14 and resp.sum() == 50 and (prompt == 12).all()
+
+
+def test_calibration_recovers_factors_and_step_time(tmp_path):
+    true_median = fabricate(tmp_path)
+    out = calibrate(tmp_path, "cpu")
+    eff = out["fitted_efficiency"]
+    for key in ("train_mfu", "infer_mfu", "layer_latency_s"):
+        assert eff[key] == pytest.approx(TRUE[key], rel=0.15), key
+    assert out["median_step_seconds"]["measured"] == pytest.approx(true_median)
+    assert abs(out["median_step_seconds"]["relative_error"]) < 0.05
+    assert abs(out["held_out"]["relative_error"]) < 0.08
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="missing config.yaml"):
+        load_run(tmp_path)
+    fabricate(tmp_path, steps=2)
+    (tmp_path / "model_config.json").unlink()
+    with pytest.raises(ValueError, match="model_config.json"):
+        load_run(tmp_path)

@@ -1,0 +1,44 @@
+"""Workload length distributions: determinism, caps and per-prompt correlation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fuseflow.sim.workload import LengthDist, Workload
+
+
+def test_lengths_are_deterministic_and_capped():
+    wl = Workload(prompts=200, samples_per_prompt=2, response_len=LengthDist("lognormal", max_len=300, median=100))
+    a, b = wl.step(3), wl.step(3)
+    assert np.array_equal(a.response_lens, b.response_lens) and a.n == 400
+    assert a.response_lens.max() <= 300 and a.response_lens.min() >= 1
+    assert not np.array_equal(a.response_lens, wl.step(4).response_lens)
+    assert (a.prompt_lens[0::2] == a.prompt_lens[1::2]).all()  # one prompt per group
+
+
+def test_fixed_and_trace_kinds(tmp_path):
+    wl = Workload(prompts=5, response_len=LengthDist("fixed", max_len=77))
+    assert (wl.step().response_lens == 77).all()
+    path = tmp_path / "lens.txt"
+    path.write_text("10\n20\n30\n")
+    dist = LengthDist.from_file(path)
+    wl = Workload(prompts=50, response_len=dist)
+    assert set(wl.step().response_lens.tolist()) <= {10, 20, 30}
+
+
+def test_prompt_share_makes_lengths_predictable():
+    def corr(rho: float) -> float:
+        b = Workload(prompts=2000, prompt_share=rho).step()
+        return float(np.corrcoef(np.log(b.response_lens), np.log(b.predicted_lens))[0, 1])
+
+    assert corr(0.0) < 0.1 and corr(0.9) > 0.8
+
+
+def test_bad_workloads_name_the_field():
+    with pytest.raises(ValueError, match="prompt_share"):
+        Workload(prompt_share=2.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        Workload(algorithm="dpo")
+    with pytest.raises(ValueError, match="trace"):
+        LengthDist("trace")
