@@ -100,7 +100,7 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
                 since_best += 1
             if progress:
                 progress.update(task_id, completed=step,
-                                description=f"SFT loss {float(loss):.3f} held-out acc {ev['accuracy']:.3f}")
+                                description=f"SFT loss {float(loss.detach()):.3f} held-out acc {ev['accuracy']:.3f}")
             if since_best >= s.patience:
                 break
         elif progress:
