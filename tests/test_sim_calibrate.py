@@ -16,7 +16,7 @@ TINY = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "n
 TRUE = {"train_mfu": 0.12, "infer_mfu": 0.2, "layer_latency_s": 4e-4, "host_seconds_per_sample": 5e-5}
 
 
-def fabricate(run_dir, algorithm: str = "ppo", steps: int = 12, noise: float = 0.03) -> float:
+def fabricate(run_dir, algorithm: str = "ppo", steps: int = 12, noise: float = 0.03, longer: int = 0) -> float:
     """Write a run dir whose stage times come from known factors; returns the true median step time."""
     (run_dir / "config.yaml").write_text(yaml.safe_dump({
         "model": {"size": "tiny"}, "algorithm": {"name": algorithm},
@@ -32,7 +32,7 @@ def fabricate(run_dir, algorithm: str = "ppo", steps: int = 12, noise: float = 0
     events, metrics, totals = [], [], []
     t = 0.0
     for k in range(steps):
-        rec = StepRecord(k, 128, 20.0 + 3 * (k % 4), 6.0 + 2.0 * (k % 5), 16 + 4 * (k % 3), 0.0)
+        rec = StepRecord(k, 128, 20.0 + 3 * (k % 4), 6.0 + 2.0 * (k % 5) + longer, 16 + 4 * (k % 3) + 2 * longer, 0.0)
         stages = predict_stages(run, rec, hw)
         total = 0.0
         for name, secs in stages.items():
@@ -73,3 +73,13 @@ def test_missing_files_are_named(tmp_path):
     (tmp_path / "model_config.json").unlink()
     with pytest.raises(ValueError, match="model_config.json"):
         load_run(tmp_path)
+
+
+def test_factors_fitted_on_one_run_predict_another(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fabricate(tmp_path / "a", algorithm="grpo", steps=8)
+    fabricate(tmp_path / "b", algorithm="grpo", steps=4, longer=20)  # responses 20 tokens longer, caps 40 longer
+    out = calibrate(tmp_path / "a", "cpu", predict_dir=tmp_path / "b")
+    assert out["other_run"]["measured"] > 1.3 * out["median_step_seconds"]["measured"]
+    assert abs(out["other_run"]["relative_error"]) < 0.05

@@ -198,8 +198,20 @@ def fit(run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None) ->
     return spec(best)
 
 
-def calibrate(run_dir: str | Path, hardware: str = "cpu") -> dict:
-    """Fit on all steps and predict the median step time; also fit on even steps, test on odd ones."""
+def predict_run(run: RunData, hw: HardwareSpec) -> dict:
+    """Median step seconds of `run`, measured and predicted with `hw`'s efficiency factors."""
+    pred = float(np.median([sum(predict_stages(run, r, hw).values()) for r in run.steps]))
+    meas = float(np.median([r.step_seconds for r in run.steps]))
+    return {"measured": meas, "predicted": pred, "relative_error": (pred - meas) / meas}
+
+
+def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Path | None = None) -> dict:
+    """Fit on all steps and predict the median step time; also fit on even steps, test on odd ones.
+
+    With `predict_dir`, the factors fitted on `run_dir` also predict another run (a
+    different workload on the same machine): the test that the cost model, not the
+    fit, carries the prediction.
+    """
     run = load_run(run_dir)
     base = get_hardware(hardware)
     fitted = fit(run, base)
@@ -225,4 +237,6 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu") -> dict:
         m = float(np.median([r.step_seconds for r in test_recs]))
         out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,
                            "relative_error": (p - m) / m}  # fmt: skip
+    if predict_dir is not None:
+        out["other_run"] = {"run_dir": str(predict_dir), **predict_run(load_run(predict_dir), fitted)}
     return out

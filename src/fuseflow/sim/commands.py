@@ -134,13 +134,14 @@ def calibrate_cmd(
     run_dir: Path = typer.Argument(..., help="a fuseflow run directory (config.yaml, metrics.jsonl, trace.json)"),
     hardware: str = typer.Option("cpu", "--hardware", help=f"hardware spec to fit: {', '.join(hardware_names())}"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+    predict: Path | None = typer.Option(None, "--predict", help="also predict this other run with the fitted factors"),
 ) -> None:
     """Fit efficiency factors to a run's trace and predict its median step time."""
     from .calibrate import calibrate
 
     try:
         get_hardware(hardware)
-        result = calibrate(run_dir, hardware)
+        result = calibrate(run_dir, hardware, predict)
     except ValueError as err:
         _fail(str(err))
     med = result["median_step_seconds"]
@@ -149,6 +150,10 @@ def calibrate_cmd(
             f"({100 * med['relative_error']:+.1f}%)")  # fmt: skip
     if "held_out" in result:
         text += f"\nheld-out (fit even steps, test odd): {100 * result['held_out']['relative_error']:+.1f}%"
+    if "other_run" in result:
+        o = result["other_run"]
+        text += (f"\n{o['run_dir']}: measured {o['measured']:.3f}s, predicted {o['predicted']:.3f}s "
+                 f"({100 * o['relative_error']:+.1f}%)")  # fmt: skip
     _emit(result, as_json, None, text)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import simpy
 
-from .costmodel import fused_train_seconds, infer_cost
+from .costmodel import INFER_MICRO_BATCH_TOKENS, fused_train_seconds, infer_cost
 from .generation import (
     Seq,
     round_robin,
@@ -318,9 +318,20 @@ class _Run:
         shares_rollout = not self.pol.elastic and s is self.plan.set_of("rollout")
         queue: list[int] = []
         done = 0
+        per_mb = max(1, int(INFER_MICRO_BATCH_TOKENS // float(batch.seq_lens.mean())))
         while done < batch.n:
             if not queue:
                 queue.append((yield store.get()))
+            queue += store.items[:]
+            store.items.clear()
+            # Reserved devices idle for free, so chunks are whatever has arrived. Under
+            # pay-per-use billing (elastic) a chunk waits until every data-parallel rank gets a
+            # full micro-batch (or the last sample has arrived), as an idle rank is billed too.
+            devices = max(pool.free, need) if shares_rollout else s.gpus
+            full = max(max(1, devices // (self.plan.layout(r).tp * self.plan.layout(r).pp)) for r in roles) * per_mb
+            if self.pol.elastic and len(queue) < full and done + len(queue) < batch.n:
+                queue.append((yield store.get()))
+                continue
             got = yield pool.acquire(need, greedy=True)
             queue += store.items[:]
             store.items.clear()
