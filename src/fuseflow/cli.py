@@ -141,18 +141,15 @@ def presets() -> None:
 
 def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
-    try:
+    from fuseflow.sim.commands import register as register_sim
+
+    register_sim(app)
+    try:  # mounted once their subsystems land
         from fuseflow.schedule.pipeline.bench import register as register_pipeline
     except ImportError:
         pass
     else:
         register_pipeline(bench_app)
-    try:
-        from fuseflow.sim.commands import register as register_sim
-    except ImportError:
-        pass
-    else:
-        register_sim(app)
 
 
 _register_plugins()

@@ -61,13 +61,13 @@ class ModelSection(_Section):
 
 class SFTConfig(_Section):
     enabled: bool = True
-    max_steps: int = Field(3000, gt=0)
+    max_steps: int = Field(4000, gt=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(100, ge=0)
     eval_every: int = Field(100, gt=0)
-    patience: int = Field(4, gt=0)  # evals without held-out improvement before stopping
-    eval_size: int = Field(300, gt=0)
+    patience: int = Field(6, gt=0)  # evals without held-out improvement before stopping
+    eval_size: int = Field(500, gt=0)
 
 
 class AlgorithmConfig(_Section):
@@ -100,8 +100,10 @@ class TrainerConfig(_Section):
     mini_batch_size: int = Field(128, gt=0)  # samples per optimizer step
     micro_batch_size: int = Field(128, gt=0)  # samples per forward/backward (gradient accumulation)
     epochs: int = Field(1, gt=0)
-    lr: float = Field(1e-3, gt=0)
-    critic_lr: float = Field(2e-3, gt=0)
+    # RL steps must be far smaller than SFT's: Adam's first updates move every weight by about lr,
+    # and at 1e-3 one step of the tiny policy shifted every log-prob by ~6 nats and collapsed it.
+    lr: float = Field(3e-4, gt=0)
+    critic_lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(5, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
