@@ -52,7 +52,7 @@ class Sample:
     response_ids: sampled tokens, including the stop token when one ended it
     logprobs:     log-prob of each sampled token under the temperature-scaled
                   distribution (what the trainer recomputes), one per response token
-    finish_reason: "stop" (a stop token) or "length" (max_new_tokens reached)
+    finish_reason: "stop" (a stop token or stop string) or "length" (max_new_tokens reached)
     """
 
     uid: int

@@ -1,0 +1,157 @@
+"""Mechanism: one forward over all scheduled rows, on the paged KV pool, with the model's own modules.
+
+All new tokens of a step (one per decoding row, a chunk per prefilling row) are packed into one
+(N, hidden) matrix, so every linear layer runs once per step with no padding. Only attention is
+per-row: decoding rows attend over their gathered blocks in one SDPA call with a length mask;
+prefilling rows are padded to the longest chunk in a second call. The runner reads the weights
+of the `CausalLM` it was given on every call, so a trainer updating that model in place is seen
+at once (no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fuseflow.models.llama import CausalLM, attend, rope_cos_sin, rope_inv_freq
+
+from .kv import DecodeCache, KVPool
+from .scheduler import StepPlan
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (N, heads, hd) by cos/sin (N, 1, hd); the same element-wise math as the model's apply_rope."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class ModelRunner:
+    """Runs `StepPlan`s on a `CausalLM` and owns the KV pool."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int):
+        self.model = model
+        c = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.block_size, self.n_heads, self.n_kv, self.head_dim = (block_size, c.num_attention_heads,
+                                                                    c.num_key_value_heads, c.head_dim)
+        self.pool = KVPool(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                           self.dtype, self.device)
+        self.decode_cache = DecodeCache(self.pool, max_num_seqs)
+        # The model computes the same element-wise rope tables per call; precomputing all positions
+        # once gives bit-identical values and saves a few ops per layer per step.
+        pos = torch.arange(c.max_position_embeddings, device=self.device)[None]
+        cos, sin = rope_cos_sin(pos, rope_inv_freq(c, self.device), self.dtype)
+        self.cos, self.sin = cos[0], sin[0]  # (max_pos, hd)
+
+    def _inputs(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
+        bs, ids, pos, slots = self.block_size, [], [], []
+        for seq, t in plan.rows:
+            start, table = seq.num_computed, seq.block_table
+            ids += seq.tokens[start : start + t]
+            rng = range(start, start + t)
+            pos += rng
+            slots += [table[p // bs] * bs + p % bs for p in rng]
+        return ids, pos, slots
+
+    def _tables(self, rows: list[tuple]) -> Tensor:
+        width = max(len(seq.block_table) for seq, _ in rows)
+        return torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in rows],
+                            device=self.device)  # (B, nb); padding entries point at block 0 and are masked
+
+    @torch.no_grad()
+    def forward(self, plan: StepPlan) -> Tensor:
+        """Logits (R, V) in fp32 of the last token of every row that `completes`, in row order."""
+        dev, H, hd = self.device, self.n_heads, self.head_dim
+        n_dec = 0  # decoding rows come first
+        while n_dec < len(plan.rows) and plan.rows[n_dec][1] == 1 and plan.completes[n_dec]:
+            n_dec += 1
+        dec_meta = self._decode_meta(plan, n_dec) if n_dec else None  # may reorder the decoding rows
+        pre = plan.rows[n_dec:]
+        pre_meta = self._prefill_meta(pre) if pre else None
+        ids, pos, slots = self._inputs(plan)
+        n = len(ids)
+        pos_t = torch.tensor(pos, device=dev)
+        slots_t = torch.tensor(slots, device=dev)
+        cos, sin = self.cos[pos_t].unsqueeze(1), self.sin[pos_t].unsqueeze(1)  # (N, 1, hd)
+
+        m = self.model.model
+        h = m.embed_tokens(torch.tensor(ids, device=dev))  # (N, D)
+        for li, layer in enumerate(m.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(n, H, hd)
+            k = a.k_proj(x).view(n, self.n_kv, hd)
+            v = a.v_proj(x).view(n, self.n_kv, hd)
+            if hasattr(a, "q_norm"):
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            self.pool.write(li, slots_t, k, v)
+            parts = []
+            if dec_meta is not None:
+                self.decode_cache.write(li, pos_t[:n_dec], k[:n_dec], v[:n_dec])
+                parts.append(self._attend_decode(li, q[:n_dec], dec_meta))
+            if pre_meta is not None:
+                parts.append(self._attend_prefill(li, q[n_dec:], k[n_dec:], v[n_dec:], pre_meta))
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, H * hd)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last, end = [], 0
+        for (_, t), done in zip(plan.rows, plan.completes, strict=True):
+            end += t
+            if done:
+                last.append(end - 1)
+        h = m.norm(h[torch.tensor(last, device=dev)])
+        return self.model.lm_head(h).float()
+
+    # ---------------------------------------------------------------------------------- attention
+    def _decode_meta(self, plan: StepPlan, n_dec: int) -> tuple[int, Tensor]:
+        rows = plan.rows[:n_dec]
+        lens = [seq.num_computed + 1 for seq, _ in rows]
+        slot = self.decode_cache.sync([seq for seq, _ in rows], lens)
+        # Put the decoding rows in the order of their cache rows, so row i reads cache row i.
+        order = sorted(range(n_dec), key=slot.__getitem__)
+        plan.rows[:n_dec] = [rows[i] for i in order]
+        lens = [lens[i] for i in order]
+        span = max(lens)
+        lens_t = torch.tensor(lens, device=self.device)
+        return span, (torch.arange(span, device=self.device)[None] < lens_t[:, None])[:, None, None]  # (B,1,1,S)
+
+    def _attend_decode(self, layer: int, q: Tensor, meta: tuple[int, Tensor]) -> Tensor:
+        span, mask = meta
+        b = q.shape[0]
+        k, v = self.decode_cache.view(layer, b, span)  # (B, n_kv, S, hd), no copy
+        return attend(q.unsqueeze(2), k, v, mask, is_causal=False).view(b, -1)
+
+    def _prefill_meta(self, rows: list[tuple]) -> dict:
+        starts = [seq.num_computed for seq, _ in rows]
+        lens = [t for _, t in rows]
+        if len(rows) == 1 and starts[0] == 0:
+            return {"self_only": True}  # one fresh prompt: plain causal attention over its own tokens
+        dev, width = self.device, max(lens)
+        tables = self._tables(rows)
+        span = torch.arange(tables.shape[1] * self.block_size, device=dev)  # key positions (S,)
+        qi = torch.arange(width, device=dev)  # query offsets (T,)
+        start_t = torch.tensor(starts, device=dev)[:, None, None]
+        len_t = torch.tensor(lens, device=dev)[:, None, None]
+        # Query i of row r sits at position start_r + i; padded queries (i >= t_r) see key 0 only.
+        allowed = span[None, None] <= start_t + qi[None, :, None]  # (B, T, S)
+        allowed = torch.where(qi[None, :, None] < len_t, allowed, span[None, None] == 0)
+        index = torch.cat([torch.arange(r * width, r * width + t, device=dev) for r, t in enumerate(lens)])
+        return {"self_only": False, "tables": tables, "mask": allowed[:, None], "index": index, "width": width}
+
+    def _attend_prefill(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: dict) -> Tensor:
+        n, H, hd = q.shape
+        if meta["self_only"]:
+            out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
+                         is_causal=True)  # (1, H, T, hd)
+            return out[0].transpose(0, 1).reshape(n, H * hd)
+        tables, index, width = meta["tables"], meta["index"], meta["width"]
+        b = tables.shape[0]
+        qp = q.new_zeros(b * width, H, hd).index_copy_(0, index, q).view(b, width, H, hd).transpose(1, 2)
+        kk, vv = self.pool.gather(layer, tables)
+        out = attend(qp, kk, vv, meta["mask"], is_causal=False)  # (B, H, T, hd)
+        return out.transpose(1, 2).reshape(b * width, H * hd).index_select(0, index)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.copy_blocks(pairs)
