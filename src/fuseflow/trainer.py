@@ -150,6 +150,7 @@ class RLTrainer:
             self.actor.rollout.update_weights(step)  # in-process: shared weights, the version moves on
         seconds = time.perf_counter() - t0
         n_tokens = float(batch["response_mask"].sum())
+        metrics |= {f"time/{name}": sec for name, sec in self.tracer.seconds_for(step).items()}
         metrics |= {"time/step_seconds": seconds, "perf/samples_per_second": len(batch) / seconds,
                     "perf/tokens_per_second": n_tokens / seconds, "train/lr": lr(cfg.trainer.lr)}
         return metrics

@@ -45,6 +45,14 @@ class Tracer:
                                 "ts": round((start - self._t0) * 1e6, 1), "dur": round((end - start) * 1e6, 1),
                                 "args": {"step": step, **args}})
 
+    def seconds_for(self, step: int) -> dict[str, float]:
+        """Seconds per stage name spent in ``step``."""
+        out: dict[str, float] = defaultdict(float)
+        for e in self.events:
+            if e["args"].get("step") == step:
+                out[e["name"]] += e["dur"] / 1e6
+        return dict(out)
+
     def drop_after(self, step: int) -> None:
         self.events = [e for e in self.events if e["args"].get("step", 0) <= step]
 
