@@ -26,6 +26,7 @@ runner = CliRunner()
     (["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-type", "X100"], "--gpu-type 'X100': unknown; choose one of"),
     (["plan", "--model", "llama-7b", "--gpus", "0"], "--gpus 0: must be > 0"),
     (["plan", "--model", "llama-7b", "--gpus", "-4"], "--gpus -4: must be > 0"),
+    (["plan", "--model", "llama-7b", "--gpus", "8", "--policies", "fused,turbo"], "--policies 'turbo': unknown"),
     (["simulate", "--scenario", "nope"], "--scenario 'nope': unknown; choose one of: rlhfuse, hybridflow, rlhfless"),
     (["sim", "calibrate", "/no/such/run"], "run_dir '/no/such/run': not a directory"),
 ])  # fmt: skip

@@ -40,7 +40,7 @@ def test_structure_names():
     assert structure_kind((("actor", "ref"), ("critic", "reward"))) == "split"
     assert structure_kind((("actor",), ("critic",), ("ref",), ("reward",))) == "standalone"
     assert structure_kind((("actor", "critic", "ref", "reward"), ("rollout",))) == "colocate+rollout"
-    assert unit_size(256, 8) == 8 and unit_size(16, 8) == 1
+    assert unit_size(256, 8) == 8 and unit_size(16, 8) == 1 and unit_size(1024, 8) == 32
 
 
 def _problem(gpus: int = 16) -> Problem:

@@ -47,6 +47,8 @@ class StepRecord:
 
 @dataclass
 class RunData:
+    """A run directory's model, the batch settings the cost model needs, and its steps."""
+
     model: ModelSpec
     algorithm: str
     mini_batch_size: int

@@ -16,6 +16,7 @@ import yaml
 from .hardware import get_hardware, hardware_names
 from .modelspec import get_model, model_names
 from .placement import Problem
+from .policies import parse_policy
 from .scenarios import SCENARIOS, run_scenario
 from .search import plan_config_tree, search
 from .workload import LengthDist, Workload
@@ -106,6 +107,11 @@ def plan_cmd(
         response_len=LengthDist("lognormal", max_len=response_len, median=response_len / 4, sigma=0.8),
     )  # fmt: skip
     pols = tuple(p.strip() for p in policies.split(",") if p.strip())
+    for pol in pols or ("",):
+        try:
+            parse_policy(pol)
+        except ValueError:
+            _fail(f"--policies {pol!r}: unknown; use sequential or a '+' join of fused, async, elastic")
     try:
         problem = Problem.build(spec, hw, gpus, wl, critic=crit)
         cands, stats = search(problem, policies=pols, top=top)

@@ -105,6 +105,7 @@ def allgather_seconds(hw: HardwareSpec, full_bytes: float, ranks: int, bw: float
 
 
 def p2p_seconds(hw: HardwareSpec, nbytes: float, bw: float) -> float:
+    """One point-to-point send (pipeline activations, KV migration)."""
     return nbytes / (bw * hw.efficiency.comm) + hw.efficiency.collective_latency_s
 
 

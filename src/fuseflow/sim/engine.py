@@ -57,6 +57,7 @@ class SimResult:
     info: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
+        """The result without its timeline events (for JSON output)."""
         keys = ("policy", "iteration_seconds", "samples_per_second", "tokens_per_second", "gpu_seconds",
                 "gpu_busy_fraction", "gen_plus_inference_seconds", "stages", "info")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
@@ -136,6 +137,7 @@ class _Run:
         self.marks[k]["inference_end"] = env.now
         if k > 0:
             yield self.train_done[k - 1]
+        # Host work: advantages, plus the rule-based reward when there is no reward model.
         host = self.p.hw.efficiency.host_seconds_per_sample * batch.n * (1 if self.p.reward else 2)
         self.box("advantages", "host", "host", env.now, host, 0, k)
         yield env.timeout(host)

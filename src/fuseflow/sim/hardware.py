@@ -135,6 +135,7 @@ HARDWARE: dict[str, HardwareSpec] = {
 
 
 def hardware_names() -> list[str]:
+    """Names accepted by `get_hardware` (and `--gpu-type`)."""
     return sorted(HARDWARE)
 
 

@@ -120,6 +120,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 
 def model_names() -> list[str]:
+    """Preset names accepted by `get_model` (and `--model`)."""
     return list(MODEL_PRESETS)
 
 

@@ -122,6 +122,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class DeviceSet:
+    """Devices shared by colocated roles ('rollout' alone marks a separate generation pool)."""
+
     roles: tuple[str, ...]
     gpus: int
 
@@ -142,6 +144,7 @@ class Plan:
         return dict(self.layouts)[role]
 
     def set_of(self, role: str) -> DeviceSet:
+        """The set a role runs on; the rollout runs on the actor's set unless it has its own."""
         if role == "rollout" and not self.rollout_separate:
             role = "actor"
         for s in self.sets:
@@ -164,6 +167,7 @@ class Plan:
         return "split" + ("+rollout" if self.rollout_separate else "")
 
     def describe(self) -> dict:
+        """JSON-ready summary (placement kind, sets, layouts, generation layout)."""
         return {
             "placement": self.kind,
             "sets": [{"roles": list(s.roles), "gpus": s.gpus} for s in self.sets],
@@ -250,6 +254,7 @@ def estimate(problem: Problem, plan: Plan, batch: StepBatch) -> PlanCosts:
 
 
 def make_seqs(batch: StepBatch) -> list[Seq]:
+    """Fresh decode records for a step's samples (ids are sample indices)."""
     cols = zip(batch.prompt_lens.tolist(), batch.response_lens.tolist(), batch.group.tolist(), strict=True)
     return [Seq(i, p, r, g) for i, (p, r, g) in enumerate(cols)]
 

@@ -71,6 +71,8 @@ def parse_policy(name: str) -> Policy:
 
 @dataclass
 class ElasticChoice:
+    """The rollout workers chosen for one step and their predicted time and cost."""
+
     decode: DecodeModel
     cap: int
     startup: float

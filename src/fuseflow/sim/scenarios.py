@@ -63,6 +63,7 @@ def _trace(trace_dir: Path | None, stem: str, res: SimResult) -> None:
 
 
 def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+    """Sequential vs fused on the best colocated plan of each actor/critic pair and cap."""
     hw = get_hardware("H100")
     cases = []
     for actor, critic in RLHFUSE_PAIRS:
@@ -95,6 +96,7 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
 
 
 def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+    """Best colocate / split / standalone plan per model size and GPU count (sequential)."""
     hw = get_hardware("A100")
     wl = Workload(prompts=1024, prompt_len=LengthDist("fixed", max_len=1024),
                   response_len=LengthDist("fixed", max_len=1024), algorithm="ppo")  # fmt: skip
@@ -130,6 +132,7 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
 
 
 def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+    """Reserved sequential vs serverless elastic rollout (GPU-seconds and slowdown)."""
     hw = get_hardware("L40S")
     cases = []
     for model in ("qwen2.5-3b", "qwen2.5-7b"):

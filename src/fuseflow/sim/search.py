@@ -68,6 +68,8 @@ class SetChoice:
 
 @dataclass
 class Candidate:
+    """One plan with its analytic stage costs, peak memory and DES results per policy."""
+
     plan: Plan
     analytic: dict[str, float]
     memory_gb: dict[str, float]
@@ -90,9 +92,13 @@ class Candidate:
 
 
 def unit_size(gpus: int, gpus_per_node: int) -> int:
-    """Allocation granularity: a power of two giving at most MAX_UNITS units, at most a node."""
+    """Allocation granularity: the smallest power of two giving at most MAX_UNITS units.
+
+    Keeps the allocation count at C(MAX_UNITS - 1, k - 1) per k-set structure whatever
+    the cluster size (1024 devices are allocated in blocks of 4 nodes).
+    """
     unit = 1
-    while gpus // unit > MAX_UNITS and unit < gpus_per_node and gpus % (unit * 2) == 0:
+    while gpus // unit > MAX_UNITS and gpus % (unit * 2) == 0:
         unit *= 2
     return unit
 

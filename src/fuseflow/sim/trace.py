@@ -39,6 +39,7 @@ def chrome_trace(events: list[TraceEvent]) -> dict:
 
 
 def write_trace(events: list[TraceEvent], path: str | Path) -> Path:
+    """Write `chrome_trace(events)` as JSON (open it in Perfetto or chrome://tracing)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events)))
