@@ -48,6 +48,22 @@ def test_plan_json_and_write_config(app, tmp_path):
     assert "placement:" in out.read_text() and "prompts_per_step: 32" in out.read_text()
 
 
+def test_plan_uses_a_length_trace(app, tmp_path):
+    lens = tmp_path / "lens.txt"
+    args = ["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-type", "A100", "--json", "--top", "1",
+            "--prompts", "32", "--prompt-len", "128", "--policies", "sequential", "--response-lengths", str(lens)]
+    times = []
+    for n in (64, 512):
+        lens.write_text("\n".join([str(n)] * 10))
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        times.append(json.loads(res.output)["plans"][0]["iteration_seconds"])
+    assert times[1] > 2 * times[0]  # 8x longer responses cost much more
+    lens.write_text("none here")
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "--response-lengths" in res.output
+
+
 def test_simulate_scenario_json_has_policy_fields(app, tmp_path):
     out = tmp_path / "r.json"
     res = runner.invoke(app, ["simulate", "--scenario", "rlhfless", "--json", "--out", str(out)])

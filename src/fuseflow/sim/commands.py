@@ -78,6 +78,8 @@ def plan_cmd(
     prompt_len: int = typer.Option(1024, "--prompt-len", help="prompt tokens (max of a log-normal)"),
     response_len: int = typer.Option(1024, "--response-len", help="response cap (long-tailed log-normal)"),
     policies: str = typer.Option("sequential,fused,async", "--policies", help="comma-separated policies to try"),
+    lengths_file: Path | None = typer.Option(None, "--response-lengths",
+                                             help="measured response lengths (JSON list or one per line)"),
 ) -> None:
     """Search placements, layouts and execution policies for an RL job; print the best plans."""
     try:
@@ -101,10 +103,15 @@ def plan_cmd(
             crit = get_model(critic)
         except ValueError:
             _fail(f"--critic-model {critic!r}: unknown; choose one of: {', '.join(model_names())}")
+    resp = LengthDist("lognormal", max_len=response_len, median=response_len / 4, sigma=0.8)
+    if lengths_file is not None:
+        try:
+            resp = LengthDist.from_file(lengths_file, max_len=response_len)
+        except (OSError, ValueError) as err:
+            _fail(f"--response-lengths {str(lengths_file)!r}: {err}")
     wl = Workload(
         prompts=prompts, samples_per_prompt=samples_per_prompt, algorithm=algorithm, reward_model=algorithm == "ppo",
-        prompt_len=LengthDist("lognormal", max_len=prompt_len, median=prompt_len / 4, sigma=0.5),
-        response_len=LengthDist("lognormal", max_len=response_len, median=response_len / 4, sigma=0.8),
+        prompt_len=LengthDist("lognormal", max_len=prompt_len, median=prompt_len / 4, sigma=0.5), response_len=resp,
     )  # fmt: skip
     pols = tuple(p.strip() for p in policies.split(",") if p.strip())
     for pol in pols or ("",):
