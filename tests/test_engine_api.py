@@ -130,6 +130,7 @@ def test_abort_returns_waiting_and_running_samples_and_ignores_unknown_uids() ->
     assert len(state[0].response_ids) == 2 and state[0].rng_state is not None
     assert state[2].response_ids == [] and state[2].rng_state is None
     assert [s.uid for s in engine.generate([])] == [1]
+    assert [s.uid for s in engine.generate([_req(0, 2), _req(1, 2)])] == [0, 1]  # finished uids can be reused
 
 
 def test_bad_input_is_rejected_with_a_clear_message() -> None:

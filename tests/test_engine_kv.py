@@ -91,3 +91,34 @@ def test_pool_write_gather_and_copy_place_tokens_by_block_table() -> None:
     assert torch.equal(keys[0, 0, :3], k[:, 0]) and torch.equal(values[0, 0, :3], -k[:, 0])
     pool.copy_blocks([(2, 3)])
     assert torch.equal(pool.gather(0, torch.tensor([[3]]))[0][0, 0], k[:2, 0])
+
+
+class _Seq:  # the two fields DecodeCache reads
+    def __init__(self, table: list[int], n: int):
+        self.block_table, self.num_computed = table, n
+
+
+def test_decode_cache_mirrors_pool_rows_and_stays_compact() -> None:
+    from fuseflow.rollout.engine.kv import DecodeCache
+
+    pool = KVPool(num_layers=2, num_blocks=6, block_size=2, n_kv=1, head_dim=1, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    for layer in range(2):  # key of (block b, offset o) = 10 * b + o (+ 100 per layer); value = -key
+        keys = torch.tensor([10.0 * b + o + 100 * layer for b in range(6) for o in range(2)]).view(-1, 1, 1)
+        pool.write(layer, torch.arange(12), keys, -keys)
+    cache = DecodeCache(pool, max_rows=3, granularity=4)
+    a, b, c = _Seq([4, 1], 3), _Seq([2], 1), _Seq([5, 0, 3], 5)
+    rows = cache.sync([a, b, c], [4, 2, 6])
+    assert sorted(rows) == [0, 1, 2] and rows[2] == 0  # the longest newcomer takes the lowest row
+    assert cache.cap == 8
+    k, v = cache.view(1, rows[0], rows[0] + 1, 3)
+    assert k.flatten().tolist() == [140.0, 141.0, 110.0] and v.flatten().tolist() == [-140.0, -141.0, -110.0]
+    # c leaves: a row from the end moves into its hole; the survivors keep their content.
+    cache.write(0, torch.tensor([rows[0]]), torch.tensor([3]), torch.tensor([[[7.0]]]), torch.tensor([[[-7.0]]]))
+    rows2 = cache.sync([a, b], [5, 3])
+    assert sorted(rows2) == [0, 1]
+    k, _ = cache.view(0, rows2[0], rows2[0] + 1, 4)
+    assert k.flatten().tolist() == [40.0, 41.0, 10.0, 7.0]
+    assert cache.cap == 8  # 5 of 8 still used: no shrink yet
+    cache.sync([b], [2])
+    assert cache.cap == 4  # the long rows are gone: the mirror shrinks

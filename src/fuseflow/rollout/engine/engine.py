@@ -88,8 +88,6 @@ class Engine(RolloutBackend):
         req = partial.request if partial is not None else item
         self._validate(req, partial)
         with self._lock:
-            if any(s.uid == req.uid for s in (*self.scheduler.waiting, *self.scheduler.running)):
-                raise ValueError(f"request uid {req.uid} is already in this engine; uids must be unique")
             self.scheduler.add(Sequence(req, partial))
 
     def step(self) -> list[Sample]:

@@ -190,7 +190,7 @@ class DecodeCache:
     in place, and a sequence's blocks are gathered only once, when it starts decoding; rows are
     kept compact (a leaving row's hole is filled by moving the last row), so attention reads a
     plain slice `[:B, :, :S]` with no copy. The pool stays the record (prefix cache, preemption);
-    this mirror adds at most max_rows x (longest decoding sequence) tokens of memory.
+    this mirror adds at most max_rows x (longest decoding sequence, rounded up) tokens of memory.
     """
 
     def __init__(self, pool: KVPool, max_rows: int, granularity: int = 128):
@@ -200,18 +200,18 @@ class DecodeCache:
         self.cap = 0
         self.row_of: dict = {}  # sequence -> its row
 
-    def _grow(self, need: int) -> None:
+    def _resize(self, need: int) -> None:
         cap = -(-need // self.granularity) * self.granularity
         p = self.pool
         ref = p.layers[0]
-        shape = (self.max_rows, p.n_kv, cap, p.head_dim)
+        keep = min(cap, self.cap)
         for store in (self.keys, self.values):
-            old = list(store)
+            old = list(store) or [None] * len(p.layers)
             store.clear()
-            for t in old or [None] * len(p.layers):
-                new = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+            for t in old:
+                new = torch.zeros((self.max_rows, p.n_kv, cap, p.head_dim), dtype=ref.dtype, device=ref.device)
                 if t is not None:
-                    new[:, :, : self.cap] = t
+                    new[:, :, :keep] = t[:, :, :keep]
                 store.append(new)
         self.cap = cap
 
@@ -222,8 +222,9 @@ class DecodeCache:
         """
         n, bs = len(seqs), self.pool.block_size
         need = max(max(lengths), max(len(s.block_table) * bs for s in seqs))
-        if need > self.cap:
-            self._grow(need)
+        # Grow to the longest row; shrink once the long rows are gone (at half use, so no thrashing).
+        if need > self.cap or (self.cap > self.granularity and 2 * need <= self.cap):
+            self._resize(need)
         live = {s: None for s in seqs}
         kept = {s: r for s, r in self.row_of.items() if s in live}
         free = sorted(set(range(n)) - set(kept.values()), reverse=True)
@@ -232,7 +233,9 @@ class DecodeCache:
             if r >= n:
                 kept[s] = free.pop()
                 moves.append((r, kept[s]))
-        fills = [s for s in seqs if s not in kept]
+        # Newcomers take the lowest free rows longest first, so rows stay roughly sorted by length
+        # and the runner can attend over short rows separately from long ones.
+        fills = sorted((s for s in seqs if s not in kept), key=lambda s: -s.num_computed)
         for s in fills:
             kept[s] = free.pop()
         self.row_of = kept
@@ -253,12 +256,11 @@ class DecodeCache:
                 self.values[layer][rows, :, :span] = v
         return [kept[s] for s in seqs]
 
-    def write(self, layer: int, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v (B, n_kv, hd) of rows 0..B-1 at positions pos (B,)."""
-        rows = torch.arange(k.shape[0], device=k.device)
+    def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v (B, n_kv, hd) of rows (B,) at positions pos (B,)."""
         self.keys[layer][rows, :, pos] = k
         self.values[layer][rows, :, pos] = v
 
-    def view(self, layer: int, batch: int, span: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (batch, n_kv, span, hd) of rows 0..batch-1: views, no copy."""
-        return self.keys[layer][:batch, :, :span], self.values[layer][:batch, :, :span]
+    def view(self, layer: int, start: int, end: int, span: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (end - start, n_kv, span, hd) of rows start..end-1: views, no copy."""
+        return self.keys[layer][start:end, :, :span], self.values[layer][start:end, :, :span]

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ..base import Sample
 from .kv import BlockManager
@@ -58,7 +59,7 @@ class SchedulerStats:
     prefill_tokens_computed: int = 0  # tokens actually run through the model in prefill rows
     prefix_cache_hit_tokens: int = 0  # tokens found in the prefix cache
     group_shared_tokens: int = 0  # tokens forked from a same-prompt group leader
-    decode_tokens: int = 0
+    generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
 
@@ -73,11 +74,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is the newest
         self.stats = SchedulerStats()
+        self.uids: set[int] = set()  # uids waiting or running
         self._order = 0
         # Keep a little headroom at admission so the next decode steps rarely need a preemption.
         self.watermark = blocks.num_blocks // 100
 
     def add(self, seq: Sequence) -> None:
+        if seq.uid in self.uids:
+            raise ValueError(f"request uid {seq.uid} is already in this engine; uids must be unique")
+        self.uids.add(seq.uid)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -85,16 +90,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ scheduling
     def schedule(self) -> StepPlan:
+        """Rows of the next step: every decoding sequence, then prefill chunks, then admissions."""
         plan = StepPlan()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens  # >= max_num_seqs, so decoding rows always fit
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             seq = self.running[i]
-            if seq.leader is None:  # followers wait for their leader's prompt
+            if seq.leader is None and len(seq.tokens) - seq.num_computed == 1:  # followers wait for the leader
                 if not self._reserve(seq):
                     continue  # seq itself was preempted; running[i] is now the next one
                 budget -= self._add_row(plan, seq, budget)
             i += 1
+        for seq in self.running:  # prompts (or preempted samples) still being prefilled, oldest first
+            if budget > 0 and seq.leader is None and len(seq.tokens) - seq.num_computed > 1:
+                budget -= self._add_row(plan, seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             group = self._group_of(seq, self.max_num_seqs - len(self.running) - 1)
@@ -128,7 +137,7 @@ class Scheduler:
         group: list[Sequence] = []
         if len(seq.tokens) != seq.num_prompt:
             return group
-        for other in list(self.waiting)[1 : room + 1]:
+        for other in islice(self.waiting, 1, room + 1):
             if len(other.tokens) != other.num_prompt or other.tokens != seq.tokens:
                 break
             group.append(other)
@@ -186,6 +195,7 @@ class Scheduler:
 
     def abort(self, uids: set[int]) -> list[Sequence]:
         """Take sequences with these uids out of the engine (freeing their blocks); returns them."""
+        self.uids -= uids
         out = [s for s in self.waiting if s.uid in uids]
         self.waiting = deque(s for s in self.waiting if s.uid not in uids)
         for seq in [s for s in self.running if s.uid in uids]:
@@ -218,7 +228,7 @@ class Scheduler:
             reason = self._finish_reason(seq, tok)
             if reason is not None:
                 finished.append(self._finish(seq, reason, version, now))
-        st.decode_tokens += len(tokens)
+        st.generated_tokens += len(tokens)
         if finished:
             self.running = [s for s in self.running if s.block_table]
         return finished
@@ -244,6 +254,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, version: int, now: float) -> Sample:
         self.blocks.release(seq.block_table)
         seq.block_table = []  # marks it finished; postprocess drops it from running
+        self.uids.discard(seq.uid)
         return Sample(seq.uid, seq.request.group_id, list(seq.request.prompt_ids), seq.response,
                       seq.logprobs, reason, seq.policy_version if seq.policy_version is not None else version,
                       meta={"policy_version_end": version, "t_submit": seq.t_submit}, t_first_token=seq.t_first_token,

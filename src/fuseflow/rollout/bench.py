@@ -1,0 +1,173 @@
+"""`fuseflow bench rollout`: the engine against plain transformers `generate`, in one process.
+
+Both sides get the same weights, the same requests and the same number of generated tokens per
+request (EOS is never a stop token and every request has its own target length, its
+`max_new_tokens`). HF runs static left-padded batches of `slots` requests, each until its longest
+request is done: that idle tail is the cost being measured. The engine runs with `slots` sequence
+slots. Runs alternate between the two sides and the median time of each side is reported, so a
+burst of load from other processes hits both alike. Wall-clock and process-CPU times are both
+recorded; on a CPU shared with other work, CPU time with one torch thread is the steadier measure.
+
+Workloads (full size; `--quick` shrinks them):
+  uniform    every response the same length, prompts of mixed length
+  long_tail  response lengths log-normal, clipped, p99/p50 >= 8
+  groups     8 samples per prompt of 200 tokens (GRPO groups), lengths as in long_tail
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.rollout.base import RolloutRequest, SamplingParams
+
+WORKLOADS = ("uniform", "long_tail", "groups")
+VOCAB = 4096  # a subword-sized vocabulary, so the LM head and sampling cost what they would in practice
+
+
+def _prompt(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+
+def long_tail_lengths(n: int, median: int, sigma: float, lo: int, hi: int, seed: int) -> list[int]:
+    """Log-normal response lengths exp(N(log median, sigma)) clipped to [lo, hi] (deterministic in seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, generator=gen, dtype=torch.float64)
+    return [int(min(hi, max(lo, round(median * math.exp(sigma * float(x)))))) for x in z]
+
+
+def make_workload(name: str, quick: bool, seed: int = 0) -> tuple[list[RolloutRequest], dict]:
+    """Requests of one workload plus a description of its lengths (goes into the JSON)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 4 if quick else 1
+    if name == "uniform":
+        n, resp = 64 // scale, 96 // scale
+        prompts = [_prompt(gen, int(torch.randint(16, 129, (1,), generator=gen))) for _ in range(n)]
+        lengths, groups = [resp] * n, list(range(n))
+    elif name == "long_tail":
+        n = 64 // scale
+        prompts = [_prompt(gen, int(torch.randint(16, 129, (1,), generator=gen))) for _ in range(n)]
+        lengths, groups = long_tail_lengths(n, 32 // scale, 1.1, 2, 384 // scale, seed), list(range(n))
+    elif name == "groups":
+        n_prompts, k = 8 // scale, 8
+        base = [_prompt(gen, 200) for _ in range(n_prompts)]
+        prompts = [p for p in base for _ in range(k)]
+        lengths = long_tail_lengths(n_prompts * k, 32 // scale, 1.1, 2, 384 // scale, seed + 1)
+        groups = [g for g in range(n_prompts) for _ in range(k)]
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
+    reqs = [RolloutRequest(i, p, SamplingParams(temperature=1.0, max_new_tokens=t, seed=seed * 100_003 + i), g)
+            for i, (p, t, g) in enumerate(zip(prompts, lengths, groups, strict=True))]
+    srt = sorted(lengths)
+    info = {"requests": len(reqs), "generated_tokens": sum(lengths),
+            "prompt_len_mean": statistics.fmean(len(p) for p in prompts),
+            "response_len_p50": srt[len(srt) // 2], "response_len_p99": srt[min(len(srt) - 1, int(0.99 * len(srt)))],
+            "response_len_max": srt[-1]}
+    info["p99_over_p50"] = info["response_len_p99"] / info["response_len_p50"]
+    return reqs, info
+
+
+def _timed(run) -> tuple[float, float, int]:
+    """(wall seconds, process CPU seconds, tokens generated) of one run."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    tokens = sum(len(s.response_ids) for s in run())
+    return time.perf_counter() - w0, time.process_time() - c0, tokens
+
+
+def bench_workload(model: CausalLM, name: str, slots: int, quick: bool, repeats: int, timer: str = "wall",
+                   log=print) -> dict:
+    """Time engine and HF on one workload; alternate the order each repeat, report medians.
+
+    `timer` picks the headline: "wall" (elapsed time) or "cpu" (process CPU time, which leaves out
+    the time other processes held the cores; meaningful with one torch thread on a shared CPU).
+    """
+    from fuseflow.rollout.engine import Engine, EngineConfig
+    from fuseflow.rollout.hf_backend import HFBackend
+
+    reqs, info = make_workload(name, quick)
+    hf = HFBackend(model, pad_id=0, batch_size=slots)
+    budget = slots * (max(len(r.prompt_ids) for r in reqs) + info["response_len_max"])
+    cfg = EngineConfig(max_num_seqs=slots, kv_budget_tokens=budget, max_num_batched_tokens=max(2048, slots))
+    times: dict[str, list[float]] = {"fuseflow_wall_s": [], "hf_wall_s": [], "fuseflow_cpu_s": [], "hf_cpu_s": []}
+    stats: dict = {}
+    for rep in range(repeats):
+        engine = Engine(model, cfg)  # fresh per run: no prefix cache carried over from the last run
+        sides = [("fuseflow", lambda e=engine: e.generate(reqs)), ("hf", lambda: hf.generate(reqs))]
+        for side, run in sides if rep % 2 == 0 else sides[::-1]:
+            wall, cpu, tokens = _timed(run)
+            if tokens != info["generated_tokens"]:
+                raise RuntimeError(f"{side} generated {tokens} tokens on {name}, expected {info['generated_tokens']}")
+            times[f"{side}_wall_s"].append(wall)
+            times[f"{side}_cpu_s"].append(cpu)
+        stats = engine.stats
+        log(f"  {name} rep {rep}: fuseflow {times['fuseflow_wall_s'][-1]:.2f}s wall {times['fuseflow_cpu_s'][-1]:.2f}s "
+            f"cpu | hf {times['hf_wall_s'][-1]:.2f}s wall {times['hf_cpu_s'][-1]:.2f}s cpu")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n_tok = info["generated_tokens"]
+    ours, theirs = med[f"fuseflow_{timer}_s"], med[f"hf_{timer}_s"]
+    return {"fuseflow_tok_s": n_tok / ours, "hf_tok_s": n_tok / theirs, "speedup": theirs / ours, "timer": timer,
+            "speedup_wall": med["hf_wall_s"] / med["fuseflow_wall_s"],
+            "speedup_cpu": med["hf_cpu_s"] / med["fuseflow_cpu_s"], **times, **info,
+            "prefill_tokens_requested": stats["prefill_tokens_requested"],
+            "prefill_tokens_computed": stats["prefill_tokens_computed"], "preemptions": stats["preemptions"]}
+
+
+def run_bench(model_name: str, quick: bool, slots: int, repeats: int, threads: int | None, timer: str = "wall",
+              workloads: tuple[str, ...] = WORKLOADS, log=print) -> dict:
+    """The whole benchmark as a JSON-ready dict (see the module docstring)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cfg = ModelConfig.preset(model_name, vocab_size=VOCAB)
+    model = CausalLM.from_config(cfg, seed=0).eval()
+    load_before = os.getloadavg()
+    result = {"model": model_name, "device": f"cpu ({platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
+              "dtype": "float32", "params": model.num_parameters(), "vocab_size": VOCAB, "slots": slots,
+              "repeats": repeats, "quick": quick, "workloads": {}}
+    for name in workloads:
+        log(f"{model_name} / {name}")
+        result["workloads"][name] = bench_workload(model, name, slots, quick, repeats, timer, log)
+    result["load_avg_before_after"] = [load_before[0], os.getloadavg()[0]]
+    return result
+
+
+def register(bench_app) -> None:
+    """Add `rollout` to the `fuseflow bench` Typer app."""
+    import typer
+
+    @bench_app.command("rollout")
+    def rollout(
+        out: Path = typer.Option(..., "--out", help="Where to write the JSON result."),
+        model: str = typer.Option("small", "--model", help="Model preset: tiny or small."),
+        quick: bool = typer.Option(False, "--quick", help="Quarter-size workloads, one repeat (a smoke run)."),
+        slots: int = typer.Option(32, "--slots", help="Engine sequence slots = HF static batch size."),
+        repeats: int = typer.Option(3, "--repeats", help="Runs per side; the median is reported."),
+        threads: int = typer.Option(0, "--threads", help="torch threads for both sides (0: torch default)."),
+        timer: str = typer.Option("wall", "--timer", help="Headline timer: wall, or cpu (process CPU time; "
+                                  "use with --threads 1 on a shared machine). Both are always recorded."),
+    ) -> None:
+        """Engine vs transformers generate on uniform, long_tail and groups workloads; JSON to --out."""
+        if model not in ("tiny", "small"):
+            raise typer.BadParameter(f"--model must be tiny or small, got {model!r}")
+        if timer not in ("wall", "cpu"):
+            raise typer.BadParameter(f"--timer must be wall or cpu, got {timer!r}")
+        if slots < 1 or repeats < 1 or threads < 0:
+            raise typer.BadParameter(f"--slots and --repeats must be >= 1 and --threads >= 0, got "
+                                     f"{slots}, {repeats}, {threads}")
+        result = run_bench(model, quick, slots, 1 if quick else repeats, threads or None, timer, log=typer.echo)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        for name, w in result["workloads"].items():
+            typer.echo(f"{name:10s} fuseflow {w['fuseflow_tok_s']:8.1f} tok/s   hf {w['hf_tok_s']:8.1f} tok/s   "
+                       f"speedup {w['speedup']:.2f}x")

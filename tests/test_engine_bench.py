@@ -1,0 +1,60 @@
+"""The `bench rollout` command surface and its workloads (a tiny quick run; the real numbers are in
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from fuseflow.rollout.bench import long_tail_lengths, make_workload, register
+
+
+def test_long_tail_lengths_are_long_tailed_and_reproducible() -> None:
+    lengths = long_tail_lengths(400, median=32, sigma=1.1, lo=2, hi=512, seed=0)
+    assert lengths == long_tail_lengths(400, median=32, sigma=1.1, lo=2, hi=512, seed=0)
+    srt = sorted(lengths)
+    assert 24 <= srt[200] <= 40 and srt[int(0.99 * 400)] / srt[200] >= 8 and min(lengths) >= 2 and max(lengths) <= 512
+
+
+def test_workloads_have_the_promised_shapes() -> None:
+    uniform, info = make_workload("uniform", quick=True)
+    assert len({r.params.max_new_tokens for r in uniform}) == 1 and info["p99_over_p50"] == 1.0
+    groups, info = make_workload("groups", quick=True)
+    assert all(len(r.prompt_ids) == 200 for r in groups)
+    by_group: dict[int, set] = {}
+    for r in groups:
+        by_group.setdefault(r.group_id, set()).add(tuple(r.prompt_ids))
+    assert all(len(v) == 1 for v in by_group.values()) and len(groups) == 8 * len(by_group)
+    assert len({r.params.seed for r in groups}) == len(groups)
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("bursty", quick=True)
+
+
+def test_bench_rollout_command_writes_the_json_schema(tmp_path) -> None:
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # a group with one command keeps the command name on the command line
+        pass
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["rollout", "--out", str(out), "--model", "tiny", "--quick", "--threads", "1",
+                                      "--timer", "cpu"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["model"] == "tiny" and data["device"].startswith("cpu")
+    assert set(data["workloads"]) == {"uniform", "long_tail", "groups"}
+    for w in data["workloads"].values():
+        assert w["speedup"] == pytest.approx(w["fuseflow_tok_s"] / w["hf_tok_s"]) == pytest.approx(w["speedup_cpu"])
+        assert w["timer"] == "cpu" and len(w["fuseflow_wall_s"]) == len(w["hf_cpu_s"]) == 1
+        assert w["fuseflow_tok_s"] > 0 and w["hf_tok_s"] > 0
+    groups = data["workloads"]["groups"]
+    assert groups["prefill_tokens_computed"] * 8 == groups["prefill_tokens_requested"]
+    bad = CliRunner().invoke(app, ["rollout", "--out", str(out), "--model", "huge"])
+    assert bad.exit_code == 2 and "tiny or small" in bad.output
+    bad = CliRunner().invoke(app, ["rollout", "--out", str(out), "--timer", "gpu"])
+    assert bad.exit_code == 2 and "wall or cpu" in bad.output
