@@ -80,6 +80,7 @@ def test_factors_fitted_on_one_run_predict_another(tmp_path):
     (tmp_path / "b").mkdir()
     fabricate(tmp_path / "a", algorithm="grpo", steps=8)
     fabricate(tmp_path / "b", algorithm="grpo", steps=4, longer=20)  # responses 20 tokens longer, caps 40 longer
+    (tmp_path / "b" / "trace.json").unlink()  # predicting needs only the config and metrics
     out = calibrate(tmp_path / "a", "cpu", predict_dir=tmp_path / "b")
     assert out["other_run"]["measured"] > 1.3 * out["median_step_seconds"]["measured"]
     assert abs(out["other_run"]["relative_error"]) < 0.05

@@ -43,6 +43,7 @@ class StepRecord:
     response_max: int
     step_seconds: float
     stages: dict[str, float] = field(default_factory=dict)
+    prompt_max: float = 0.0  # 0: unknown (older metrics), taken as the mean
 
 
 @dataclass
@@ -57,12 +58,16 @@ class RunData:
     steps: list[StepRecord]
 
 
-def load_run(run_dir: str | Path) -> RunData:
-    """Read a run directory; errors name the missing file or key and what to do."""
+def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
+    """Read a run directory; errors name the missing file or key and what to do.
+
+    Fitting needs the per-stage times of `trace.json`; predicting a run's step time
+    (`need_trace=False`) needs only its config and metrics.
+    """
     run = Path(run_dir)
     if not run.is_dir():
         raise ValueError(f"run_dir {str(run)!r}: not a directory; pass a fuseflow run directory")
-    for name in ("config.yaml", "metrics.jsonl", "trace.json"):
+    for name in ("config.yaml", "metrics.jsonl") + (("trace.json",) if need_trace else ()):
         if not (run / name).is_file():
             raise ValueError(f"run_dir {str(run)!r}: missing {name}; pass a directory written by `fuseflow train`")
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
@@ -74,7 +79,9 @@ def load_run(run_dir: str | Path) -> RunData:
     model = from_hf_config(json.loads(mc.read_text()), name=(cfg.get("model") or {}).get("size", "policy"))
     trainer = cfg.get("trainer") or {}
     by_step: dict[int, dict[str, float]] = {}
-    for ev in json.loads((run / "trace.json").read_text()).get("traceEvents", []):
+    trace = run / "trace.json"
+    events = json.loads(trace.read_text()).get("traceEvents", []) if trace.is_file() else []
+    for ev in events:
         if ev.get("ph") != "X" or ev.get("name") not in STAGES:
             continue
         step = int((ev.get("args") or {}).get("step", -1))
@@ -92,8 +99,9 @@ def load_run(run_dir: str | Path) -> RunData:
         step = int(m["step"])
         steps.append(StepRecord(step, int(m["rollout/num_samples"]), float(m["rollout/prompt_length_mean"]),
                                 float(m["rollout/response_length_mean"]), int(m["rollout/response_length_max"]),
-                                float(m["time/step_seconds"]), by_step.get(step, {})))  # fmt: skip
-    steps = [s for s in steps if s.stages]
+                                float(m["time/step_seconds"]), by_step.get(step, {}),
+                                float(m.get("rollout/prompt_length_max", 0.0))))  # fmt: skip
+    steps = [s for s in steps if s.stages or not need_trace]
     if not steps:
         raise ValueError(f"run_dir {str(run)!r}: no step has both metrics and trace events")
     return RunData(model, (cfg.get("algorithm") or {}).get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
@@ -117,16 +125,20 @@ def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
 
 
 def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str, float]:
-    """Predicted seconds of each stage of one step on one device (the sequential policy)."""
+    """Predicted seconds of each stage of one step of a fuseflow run on one device."""
     m, lay = run.model, Layout()
     prompt, resp = step_lengths(rec)
-    seq = (prompt + resp).astype(float)
-    n = len(seq)
-    mean_len = float(seq.mean())
-    mb_tokens = max(1, int(min(run.micro_batch_size, n) * mean_len))
+    n = len(resp)
+    # fuseflow's batches are padded (prompts on the left to the longest prompt, responses
+    # on the right to the longest response) and never unpadded, so every forward and
+    # backward runs on n x (prompt_max + response_max) tokens, and the sampler's KV
+    # context starts at prompt_max for every row.
+    p_max = max(rec.prompt_max, float(prompt.max()))
+    seq = np.full(n, p_max + float(resp.max()))
+    mb_tokens = max(1, int(min(run.micro_batch_size, n) * float(seq[0])))
     mini = max(1, n // min(run.mini_batch_size, n))
     dm = DecodeModel(m, hw)
-    seqs = [Seq(i, int(p), int(r)) for i, (p, r) in enumerate(zip(prompt, resp, strict=True))]
+    seqs = [Seq(i, int(p_max), int(r)) for i, r in enumerate(resp)]
     value = m.as_value_model()
     host = hw.efficiency.host_seconds_per_sample * n
     out = {
@@ -240,5 +252,6 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
         out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,
                            "relative_error": (p - m) / m}  # fmt: skip
     if predict_dir is not None:
-        out["other_run"] = {"run_dir": str(predict_dir), **predict_run(load_run(predict_dir), fitted)}
+        other = load_run(predict_dir, need_trace=False)
+        out["other_run"] = {"run_dir": str(predict_dir), "steps": len(other.steps), **predict_run(other, fitted)}
     return out
