@@ -111,7 +111,7 @@ def test_decode_cache_mirrors_pool_rows_and_stays_compact() -> None:
     rows = cache.sync([a, b, c], [4, 2, 6])
     assert sorted(rows) == [0, 1, 2] and rows[2] == 0  # the longest newcomer takes the lowest row
     assert cache.cap == 8
-    k, v = cache.view(1, rows[0], rows[0] + 1, 3)
+    k, v = cache.view(1, rows[0], rows[0] + 1, 3)  # keys come transposed: (n, n_kv, hd, span)
     assert k.flatten().tolist() == [140.0, 141.0, 110.0] and v.flatten().tolist() == [-140.0, -141.0, -110.0]
     # c leaves: a row from the end moves into its hole; the survivors keep their content.
     cache.write(0, torch.tensor([rows[0]]), torch.tensor([3]), torch.tensor([[[7.0]]]), torch.tensor([[[-7.0]]]))

@@ -95,6 +95,9 @@ class Engine(RolloutBackend):
         with self._lock:
             plan = self.scheduler.schedule()
             if not plan.rows:
+                if self.scheduler.has_unfinished():  # cannot happen by construction; never spin silently
+                    raise RuntimeError(f"engine stalled: {len(self.scheduler.waiting)} requests wait but none "
+                                       f"fits in {self.blocks.num_free} free KV blocks with nothing running")
                 return []
             logits = self.runner.forward(plan)  # (R, V)
             self.runner.copy_blocks(plan.copies)

@@ -20,10 +20,20 @@ from .kv import DecodeCache, KVPool
 from .scheduler import StepPlan
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (N, heads, hd) by cos/sin (N, 1, hd); the same element-wise math as the model's apply_rope."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate x (N, heads, hd) by cos and sign-folded sin (N, 1, hd).
+
+    The model's rotate_half(x) = cat(-x2, x1) equals roll(x, hd/2) with the first half negated;
+    the sign is folded into the sin table, so the values are bit-identical with fewer ops.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _residual_linear(h: Tensor, x: Tensor, linear: torch.nn.Linear) -> Tensor:
+    """h + linear(x) as one fused matmul-add when the layer has no bias."""
+    if linear.bias is None:
+        return torch.addmm(h, x, linear.weight.t())
+    return h + linear(x)
 
 
 def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
@@ -79,7 +89,9 @@ class ModelRunner:
         # once gives bit-identical values and saves a few ops per layer per step.
         pos = torch.arange(c.max_position_embeddings, device=self.device)[None]
         cos, sin = rope_cos_sin(pos, rope_inv_freq(c, self.device), self.dtype)
-        self.cos, self.sin = cos[0], sin[0]  # (max_pos, hd)
+        sign = torch.ones(c.head_dim, dtype=self.dtype, device=self.device)
+        sign[: c.head_dim // 2] = -1
+        self.cos, self.sin = cos[0], sin[0] * sign  # (max_pos, hd); sin carries rotate_half's sign
 
     def _inputs(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
         bs, ids, pos, slots = self.block_size, [], [], []
@@ -133,8 +145,9 @@ class ModelRunner:
             if pre_meta is not None:
                 parts.append(self._attend_prefill(li, q[n_dec:], k[n_dec:], v[n_dec:], pre_meta))
             o = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, H * hd)
-            h = h + a.o_proj(o)
-            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+            h = _residual_linear(h, o, a.o_proj)
+            mlp, x = layer.mlp, _norm(layer.post_attention_layernorm, h)
+            h = _residual_linear(h, F.silu(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj)
         last, end = [], 0
         for (_, t), done in zip(plan.rows, plan.completes, strict=True):
             end += t
@@ -158,26 +171,25 @@ class ModelRunner:
             lens_t = torch.tensor(lens[a:b], device=self.device)
             bias = torch.zeros(b - a, span, dtype=self.dtype, device=self.device)
             bias.masked_fill_(torch.arange(span, device=self.device)[None] >= lens_t[:, None], float("-inf"))
-            segments.append((a, b, span, bias))  # bias (rows, S): 0 where a key exists, -inf past the row's end
+            # (rows * n_kv, 1, S): 0 where a key exists, -inf past the row's end; the same for every layer.
+            segments.append((a, b, span, bias[:, None].expand(b - a, self.n_kv, span).reshape(-1, 1, span)))
         return segments
 
     def _attend_decode(self, layer: int, q: Tensor, segments: list) -> Tensor:
         """Decoding rows, each segment of rows over its own key span, reading the cache in place."""
         outs = []
         for a, b, span, bias in segments:
-            k, v = self.decode_cache.view(layer, a, b, span)  # (n, n_kv, S, hd), no copy
+            kt, v = self.decode_cache.view(layer, a, b, span)  # (n, n_kv, hd, S), (n, n_kv, S, hd): no copy
             n, n_kv = b - a, self.n_kv
             if q.device.type == "cpu":
                 # Grouped-query attention as two batched matmuls per kv head: each head's keys are read
                 # once for all its query heads, measured faster than CPU SDPA for one query per row.
                 qg = q[a:b].reshape(n * n_kv, -1, self.head_dim)  # (n*kv, group, hd)
-                bb = bias[:, None].expand(n, n_kv, span).reshape(n * n_kv, 1, span)
-                scores = torch.baddbmm(bb, qg, k.reshape(n * n_kv, span, -1).transpose(1, 2),
-                                       alpha=self.head_dim ** -0.5)
+                scores = torch.baddbmm(bias, qg, kt.reshape(n * n_kv, -1, span), alpha=self.head_dim ** -0.5)
                 outs.append(torch.bmm(scores.softmax(-1), v.reshape(n * n_kv, span, -1)).view(n, -1))
             else:
-                mask = (bias == 0)[:, None, None]  # (n, 1, 1, S)
-                outs.append(attend(q[a:b].unsqueeze(2), k, v, mask, is_causal=False).view(n, -1))
+                mask = (bias.view(n, n_kv, span)[:, :1] == 0)[:, None]  # (n, 1, 1, S)
+                outs.append(attend(q[a:b].unsqueeze(2), kt.transpose(2, 3), v, mask, is_causal=False).view(n, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _prefill_meta(self, rows: list[tuple]) -> dict:

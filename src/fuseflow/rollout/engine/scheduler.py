@@ -108,7 +108,8 @@ class Scheduler:
             seq = self.waiting[0]
             group = self._group_of(seq, self.max_num_seqs - len(self.running) - 1)
             partial_block = seq.num_prompt % self.blocks.block_size != 0
-            if not self.blocks.can_allocate(seq.tokens, len(group) * partial_block + self.watermark):
+            headroom = self.watermark if self.running else 0  # alone, a request may use the whole pool
+            if not self.blocks.can_allocate(seq.tokens, len(group) * partial_block + headroom):
                 break
             self.waiting.popleft()
             for _ in group:
