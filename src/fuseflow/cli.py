@@ -141,15 +141,13 @@ def presets() -> None:
 
 def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
+    from fuseflow.rollout.bench import register as register_rollout
+    from fuseflow.schedule.pipeline.bench import register as register_pipeline
     from fuseflow.sim.commands import register as register_sim
 
     register_sim(app)
-    try:  # mounted once their subsystems land
-        from fuseflow.schedule.pipeline.bench import register as register_pipeline
-    except ImportError:
-        pass
-    else:
-        register_pipeline(bench_app)
+    register_pipeline(bench_app)
+    register_rollout(bench_app)
 
 
 _register_plugins()
