@@ -187,4 +187,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
             str(r["serial_1f1b_makespan"]), str(r["greedy_makespan"]), f"{r['speedup_vs_serial_1f1b']:.3f}",
             f"{r['solve_seconds']:.1f}", "yes" if r["valid"] else "NO",
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # files and pipes get the whole table, not an 80-column squeeze
+        console = Console(width=170)
+    console.print(table)

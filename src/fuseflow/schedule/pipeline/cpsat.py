@@ -95,20 +95,6 @@ def feasible(g: TaskGraph, horizon: int, budget: float, hint: list[int] | None =
     return _outcome(model, solver, status)
 
 
-def min_makespan(g: TaskGraph, lb: int, ub: int, budget: float, hint: list[int] | None, seed: int = 0) -> CpOutcome:
-    """Shortest schedule with makespan in [lb, ub]; `hint` should be a schedule of length ub."""
-    model = _Model(g, ub)
-    if model.empty:
-        return CpOutcome("infeasible")
-    span = model.m.new_int_var(lb, ub, "makespan")
-    for i in range(g.n):
-        if not g.succ[i]:
-            model.m.add(model.s[i] + g.dur[i] <= span)
-    model.m.minimize(span)
-    solver, status = model.run(budget, hint, seed)
-    return _outcome(model, solver, status)
-
-
 def within_memory(
     g: TaskGraph, horizon: int, cap: float, budget: float, hint: list[int] | None = None, seed: int = 0
 ) -> CpOutcome:

@@ -1,22 +1,22 @@
 """Solver for fused pipeline schedules: makespan first, then peak memory, then the sum of peaks.
 
-Two engines, each used where we measured it to be strong (see docs/benchmarks.md):
+Two engines, each used where we measured it to be strong (docs/benchmarks.md):
 randomised forward-backward list scheduling (heuristic.py; fast on long pipelines) and
-OR-Tools CP-SAT (cpsat.py; fast at proving memory caps infeasible and at mid-sized
-models). Four stages share one time budget and one incumbent:
+OR-Tools CP-SAT (cpsat.py; proves memory caps infeasible in milliseconds and solves
+models of a few hundred tasks). Four stages share one time budget and one incumbent:
 
 1. makespan: list scheduling towards the lower bound, CP-SAT if it stalls above it;
 2. memory by structure: binary search on a memory target; each target becomes caps
-   (`structure.caps_for_target`: the heavier model in strict 1F1B, the other capped), and
+   (`structure.caps_for_target`: the heavier model in strict 1F1B, the other capped) and
    a schedule keeping stage 1's makespan under them is sought by both engines;
-3. exact memory: on models small enough, CP-SAT minimises the exact peak (a cumulative
-   per device) from the incumbent;
+3. exact memory (models up to CP_MEMORY_MAX_TASKS tasks): CP-SAT minimises the exact
+   peak, a cumulative constraint per device, starting from the incumbent;
 4. flattening: with the time left, post one edge at a time that makes the forward
    reaching the highest peak wait for an in-flight backward, kept if the makespan holds
    ("precedence constraint posting").
 
-The result is re-timed by the reference evaluator. Runs are seeded; CP-SAT's two workers
-make wall-clock results vary a little between runs.
+The result is re-timed by the reference evaluator. Runs are seeded, but CP-SAT's two
+workers and the wall-clock budget make results vary a little between runs and machines.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def _stage_makespan(sr: _Search, share: float) -> int:
     span, start = sr.heuristic(g, [0.0] * g.n, sr.lb, sr.left() * share)
     sr.offer("makespan", start, [])
     if span > sr.lb and sr.left() > 1:
-        out = cpsat.min_makespan(g, sr.lb, span, min(sr.left(), sr.left() * share * 2), start, sr.seed)
+        # A pure feasibility question at the bound: CP-SAT answered these in about a second
+        # on the 8-device instances, far faster than it minimises from a hint.
+        out = cpsat.feasible(g, sr.lb, sr.left() * share, start, sr.seed)
         if out.status == "solved":
             sr.offer("makespan-cp", out.start, [])
     return sr.best_score[0]
@@ -151,31 +153,34 @@ def _probe(sr: _Search, makespan: int, target: float, budget: float, warm: bool)
 
 
 def _stage_targets(sr: _Search, makespan: int, share: float) -> None:
-    """Binary search on the memory target; every probe that succeeds lowers the ceiling
-    to the exact peak it reached.
+    """Tighten a memory target step by step, each step warm-started from the last success.
 
-    The search starts around `floor`, the smallest target that still lets the heavier
-    model run its full 1F1B next to one micro-batch of the other: targets far above it
-    are easy and waste a probe, targets far below it need the exact model.
+    The first target is `2 * floor`, where `floor` is the smallest target that still lets
+    the heavier model run its full 1F1B next to one micro-batch of the other; each success
+    halves the distance from its exact peak to `floor`. Small steps matter: a schedule
+    under the previous caps is nearly one under the next, so repairing it is quick, while
+    a cold start at a tight target often is not. A miss retries halfway back once (not on
+    big models, where a miss costs a whole probe and flattening uses the time better).
     """
     inst = sr.inst
     stop = time.perf_counter() + sr.left() * share
     prim = primary_model(inst)
     sec = "B" if prim == "A" else "A"
     floor = inst.stages(prim) * inst.mem(prim) + inst.mem(sec)
-    lo, hi = 0.75 * floor, min(sr.peak, 2 * floor)
     resolution = min(m for m in (inst.mem_a, inst.mem_b, 1.0) if m > 0) / 4
-    warm = False
-    while hi - lo > resolution and time.perf_counter() < stop:
-        mid = (lo + hi) / 2
-        found = _probe(sr, makespan, mid, min(15.0, stop - time.perf_counter()), warm)
+    target, ceiling, warm, missed = min(sr.peak - resolution, 2 * floor), sr.peak, False, False
+    while time.perf_counter() < stop and ceiling - target >= resolution:
+        found = _probe(sr, makespan, target, min(15.0, stop - time.perf_counter()), warm)
         if found is None:
-            lo = mid
+            if missed or sr.g0.n > CP_MEMORY_MAX_TASKS:  # big models: one miss, then flattening
+                return
+            missed, target = True, (target + ceiling) / 2
             continue
         start, edges = found
         sr.offer("memory-caps", start, edges)
-        warm = True
-        hi = min(max(device_peaks_of(sr.g0, start)), mid)
+        ceiling = max(device_peaks_of(sr.g0, start))
+        target = floor + (ceiling - floor) / 2 if ceiling > floor + resolution else ceiling - 2 * resolution
+        warm, missed = True, False
 
 
 def _stage_exact(sr: _Search, makespan: int, share: float) -> None:
@@ -211,7 +216,7 @@ def _stage_flatten(sr: _Search, makespan: int) -> None:
                 stuck.add((bwd, fwd))
                 trial = edges + [(bwd, fwd)]
                 try:
-                    span, new = sr.heuristic(g0.with_edges(trial), cur, makespan, 2.0)
+                    span, new = sr.heuristic(g0.with_edges(trial), cur, makespan, max(2.0, g0.n / 800))
                 except CycleError:
                     continue
                 score = _score(span, device_peaks_of(g0, new))
