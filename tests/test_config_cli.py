@@ -34,7 +34,8 @@ def test_config_is_frozen():
     ("trainer.stepz=1", "trainer.stepz: unknown key; allowed keys here: steps"),
     ("trainer.steps=-1", "trainer.steps: invalid value -1"),
     ("trainer.steps=abc", "trainer.steps: invalid value 'abc'"),
-    ("algorithm.name=foo", "algorithm.name: invalid value 'foo': Input should be 'grpo' or 'ppo'"),
+    ("algorithm.name=foo", "algorithm.name: invalid value 'foo': Input should be 'ppo', 'grpo', 'dr_grpo', 'rloo', "
+                           "'remax', 'reinforce_pp', 'dapo' or 'safe_ppo'"),
     ("rollout.top_p=1.5", "rollout.top_p: invalid value 1.5"),
     ("trainer.micro_batch_size=100", "must divide trainer.mini_batch_size=128"),
     ("nosuchsection.x=1", "nosuchsection: unknown key"),

@@ -112,6 +112,29 @@ def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
         fail(str(e))
 
 
+@app.command("train-rm")
+def train_rm(overrides: list[str] = OVERRIDES,
+             preset: str = typer.Option("rlhf", "--preset", "-p", help="Config preset shipped with fuseflow."),
+             output: Path = typer.Option(None, "--output", "-o",
+                                         help="Reward-model directory (default: reward.model of the config).")) -> None:
+    """Train a Bradley-Terry reward model on preference pairs (rm.data=FILE, or the synthetic `pref` task)."""
+    from fuseflow.reward_model import train_reward_model
+    from fuseflow.runner import make_progress
+
+    try:
+        cfg = load_config(preset, overrides)
+        out = Path(output or cfg.reward.model or f"runs/rm-{time.strftime('%Y%m%d-%H%M%S')}")
+        with make_progress(console) as progress:
+            report = train_reward_model(cfg, out, progress, console.print)
+    except KeyboardInterrupt:
+        fail("interrupted; no reward model was written", code=130)
+    except _user_errors() as e:
+        fail(str(e))
+    console.print(f"Reward model: {out} (held-out pairwise accuracy {report['heldout_accuracy']:.3f} on "
+                  f"{report['heldout_pairs']} pairs; train {report['train_accuracy']:.3f}). "
+                  f"Use it with: fuseflow train reward.model={out}")
+
+
 @app.command()
 def export(run_dir: Path = typer.Argument(..., help="A run directory made by fuseflow train."),
            out_dir: Path = typer.Argument(..., help="Where to write the Hugging Face model directory."),

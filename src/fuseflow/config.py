@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
-    name: Literal["arith", "sort", "file"] = "arith"
+    name: Literal["arith", "safe_arith", "sort", "pref", "file"] = "arith"
     seed: int = 1234  # data generation seed, separate from the training seed
     train_size: int = Field(20000, gt=0)
     eval_size: int = Field(500, gt=0)
@@ -36,12 +36,15 @@ class TaskConfig(_Section):
     # in a fraction of the SFT demonstrations (imperfect demonstrations leave RL room).
     max_digits: int = Field(3, ge=1, le=9)
     demo_error_rate: float = Field(0.6, ge=0.0, le=1.0)
+    # safe_arith: an answer that contains this digit costs 1 (the safe_ppo constraint).
+    forbidden_digit: int = Field(7, ge=0, le=9)
     # sort: list lengths are long-tailed (see fuseflow.tasks.sort).
     max_items: int = Field(32, ge=2, le=64)
     # file: user data with a `prompt` column (and optional `answer`, `response`).
     path: str | None = None
     eval_path: str | None = None
     reward_fn: str | None = None  # "package.module:function" or "path/to/file.py:function"
+    cost_fn: str | None = None  # file: optional cost(prompt, response, answer) -> float, for safe_ppo
     success_threshold: float = 1.0  # a response with reward >= this counts as correct
 
     @model_validator(mode="after")
@@ -70,8 +73,24 @@ class SFTConfig(_Section):
     eval_size: int = Field(500, gt=0)
 
 
+ALGORITHMS = ("ppo", "grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_ppo")
+# Estimators that credit a whole response (B,): they need groups, and KL can only be a loss term.
+SEQUENCE_LEVEL = ("grpo", "dr_grpo", "rloo", "remax", "dapo")
+
+# What each algorithm changes from the field defaults, applied only to keys the user did not set,
+# so `algorithm.name=dapo` alone gives DAPO and `algorithm.clip_high=0.3` still wins. The resolved
+# values show in `fuseflow config show` and in each run's config.yaml.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ppo": {"kl_in_reward": True},
+    "dr_grpo": {"loss_agg": "seq-mean-token-sum-norm"},
+    "reinforce_pp": {"kl_in_reward": True},
+    "dapo": {"clip_high": 0.28, "dynamic_sampling": True, "overlong_buffer": 4, "kl_coef": 0.0},
+    "safe_ppo": {"kl_in_reward": True},
+}
+
+
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "ppo"] = "grpo"
+    name: Literal["ppo", "grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_ppo"] = "grpo"
     group_size: int = Field(8, gt=0)  # samples per prompt
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
@@ -85,6 +104,28 @@ class AlgorithmConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
+    # reinforce_pp: subtract the group-mean score before the return-to-go (reinforce_pp_baseline);
+    # false gives plain REINFORCE++ (batch whitening only).
+    group_baseline: bool = True
+    # dapo: drop groups whose scores are all equal (zero advantage) and draw more prompts, at most
+    # max_extra_draws more rounds; a batch still short after that is topped up with dropped groups.
+    dynamic_sampling: bool = False
+    max_extra_draws: int = Field(4, ge=0)
+    # dapo: soft length penalty rising linearly from 0 to -overlong_penalty over the last
+    # overlong_buffer tokens before model.max_response_len (0 disables it).
+    overlong_buffer: int = Field(0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0.0)
+    # safe_ppo: Lagrange multiplier on the cost, lambda <- max(0, lambda + lambda_lr * (mean cost - cost_limit)).
+    cost_limit: float = 0.05
+    lambda_init: float = Field(1.0, ge=0.0)
+    lambda_lr: float = Field(0.5, ge=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("name"), str):
+            data = {**ALGORITHM_DEFAULTS.get(data["name"], {}), **data}
+        return data
 
 
 class RolloutConfig(_Section):
@@ -122,6 +163,39 @@ class TrainerConfig(_Section):
         return self
 
 
+class RewardConfig(_Section):
+    # A directory written by `fuseflow train-rm`: its Bradley-Terry score (standardised on its training
+    # responses) becomes the reward, times model_weight, plus fn_weight times the task's reward function.
+    model: str | None = None
+    model_weight: float = 1.0
+    fn_weight: float = 1.0  # default: 1.0 without a reward model, 0.0 with one (the task fn is then only logged)
+    batch_size: int = Field(64, gt=0)  # samples per reward-model forward
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fn_weight_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("model") and "fn_weight" not in data:
+            data = {**data, "fn_weight": 0.0}
+        return data
+
+
+class RewardModelTrainConfig(_Section):
+    """`fuseflow train-rm`: a Bradley-Terry reward model on preference pairs."""
+
+    data: str | None = None  # .jsonl/.parquet with prompt, chosen, rejected; None: synthetic pairs from task.name=pref
+    eval_data: str | None = None  # held-out pairs; default: a stable ~eval_frac split of `data` by prompt hash
+    eval_frac: float = Field(0.1, gt=0.0, lt=1.0)
+    synthetic_pairs: int = Field(6000, gt=0)  # training pairs drawn from the synthetic task
+    # Backbone to start from: "sft" (the config's SFT warm-start model, trained and cached if needed, as
+    # RLHF recipes do), "random" (a fresh model.size backbone) or a causal-LM directory.
+    init: str = "sft"
+    steps: int = Field(1500, gt=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    eval_every: int = Field(100, gt=0)
+
+
 class Config(_Section):
     preset: str = "default"
     seed: int = 0
@@ -134,6 +208,8 @@ class Config(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    reward: RewardConfig = RewardConfig()
+    rm: RewardModelTrainConfig = RewardModelTrainConfig()
 
     @model_validator(mode="after")
     def _batch_fits(self) -> Config:
@@ -143,8 +219,24 @@ class Config(_Section):
                 f"trainer.mini_batch_size={self.trainer.mini_batch_size} must divide the samples per step "
                 f"(trainer.prompts_per_step * algorithm.group_size = {samples})"
             )
-        if self.algorithm.name == "grpo" and self.algorithm.group_size < 2:
-            raise ValueError("algorithm.group_size must be >= 2 for grpo (advantages are relative to the group)")
+        a = self.algorithm
+        if a.kl_in_reward and a.name in SEQUENCE_LEVEL:
+            raise ValueError(f"algorithm.kl_in_reward=true needs token-level advantages (ppo, safe_ppo, reinforce_pp); "
+                             f"{a.name} credits whole responses, so set algorithm.kl_in_reward=false "
+                             "(the KL becomes a loss term)")
+        needs_groups = a.name in ("grpo", "dr_grpo", "rloo", "dapo") or a.dynamic_sampling or (
+            a.name == "reinforce_pp" and a.group_baseline)
+        if needs_groups and a.group_size < 2:
+            raise ValueError(f"algorithm.group_size must be >= 2 for {a.name} (advantages are relative to "
+                             f"the group), got {a.group_size}")
+        if a.overlong_buffer >= self.model.max_response_len:
+            raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
+                             f"model.max_response_len={self.model.max_response_len}")
+        if a.name == "safe_ppo" and not (self.task.name == "safe_arith" or self.task.cost_fn):
+            raise ValueError(f"algorithm.name=safe_ppo needs a cost signal, and task.name={self.task.name} has none; "
+                             "use task.name=safe_arith, or task.name=file with task.cost_fn=module:function")
+        if self.task.cost_fn and self.task.name != "file":
+            raise ValueError(f"task.cost_fn is read by task.name=file only (got task.name={self.task.name})")
         return self
 
     def to_yaml(self) -> str:

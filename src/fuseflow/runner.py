@@ -7,7 +7,14 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from fuseflow.config import Config
@@ -62,6 +69,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     return summary
 
 
+EXTRA_EVALS = ("cost", "rm_score", "gold_score", "gold_win_rate")
+
+
 def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dict]) -> dict:
     """The run's headline figures; later benchmarks read these names."""
     rows = read_metrics(run_dir)
@@ -75,7 +85,10 @@ def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dic
     for per_stage in stage_seconds_per_step(run_dir / "trace.json").values():
         for name, s in per_stage.items():
             stages[name] = stages.get(name, 0.0) + s
-    return {
+    # Held-out extras, when the run has them: cost rate (safe_ppo), learned-RM score and gold win rate (RLHF).
+    extras = {f"{key}_{when}": e[key] for key in EXTRA_EVALS for when, e in (("before", ev[0] if ev else {}),
+                                                                          ("after", ev[-1] if ev else {})) if key in e}
+    return extras | {
         "preset": cfg.preset, "algorithm": cfg.algorithm.name, "task": cfg.task.name,
         "accuracy_before": ev[0]["accuracy"] if ev else None,
         "accuracy_after": ev[-1]["accuracy"] if ev else None,
@@ -102,6 +115,10 @@ def print_summary(console: Console, s: dict, run_dir: Path) -> None:
     for key in ("accuracy_before", "accuracy_after", "accuracy_gain", "reward_first", "reward_last", "steps",
                 "wall_seconds", "samples_per_second", "tokens_per_second"):
         table.add_row(key, fmt(s[key]))
+    for key in EXTRA_EVALS:
+        for when in ("before", "after"):
+            if f"{key}_{when}" in s:
+                table.add_row(f"{key}_{when}", fmt(s[f"{key}_{when}"]))
     for stage, sec in s["stage_seconds"].items():
         table.add_row(f"  seconds in {stage}", fmt(sec))
     console.print(table)

@@ -1,13 +1,17 @@
-"""The RL controller program (GRPO and PPO), run in-process with the ``local`` layout.
+"""The RL controller program, run in-process with the ``local`` layout.
 
 ``RLTrainer.step`` is the whole algorithm on one screen: generate, score, infer,
-advantages, train, sync weights, each phase timed as a span in ``trace.json``.
+advantages, train, sync weights, each phase timed as a span in ``trace.json``. The
+eight algorithms (``algorithm.name``) share it: each is a ``Recipe`` (see
+``fuseflow.recipes``) naming its registered estimator and the roles it needs.
 Everything else here is set-up, checkpointing and bookkeeping around it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import shutil
 import time
 import warnings
@@ -15,14 +19,23 @@ from pathlib import Path
 
 import torch
 
-from fuseflow.algorithms import gae, grpo, kl_penalty, masked_mean, masked_whiten
+from fuseflow.algorithms import kl_penalty, masked_mean
 from fuseflow.checkpoint import latest_checkpoint, load_optimizer, read_state, save_checkpoint
 from fuseflow.config import Config
-from fuseflow.data.batch import Batch
+from fuseflow.data.batch import Batch, unpad
 from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.evaluate import decode_response, encode_prompts, evaluate
+from fuseflow.heldout import cost_rate, greedy_responses, preference_eval, sampled_responses
 from fuseflow.models import CausalLM, ValueModel, resolve_device
-from fuseflow.rollout.base import SamplingParams
+from fuseflow.recipes import (
+    LagrangeMultiplier,
+    compute_advantages,
+    informative_groups,
+    overlong_penalty,
+    recipe_for,
+)
+from fuseflow.reward_model import RewardModel
+from fuseflow.rollout.base import RolloutRequest, SamplingParams
 from fuseflow.rollout.sampler import Sampler, make_requests
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
@@ -30,7 +43,9 @@ from fuseflow.telemetry import MetricsLogger, Tracer
 from fuseflow.workers.actor import ActorWorker, ReferenceWorker
 from fuseflow.workers.common import samples_to_batch
 from fuseflow.workers.critic import CriticWorker
-from fuseflow.workers.reward import RewardWorker
+from fuseflow.workers.reward import RewardOutput, RewardWorker
+
+EVAL_SAMPLES = 4  # sampled responses per held-out prompt when judging a reward-model run
 
 
 class PromptStream:
@@ -54,6 +69,7 @@ class RLTrainer:
 
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, log=print, progress=None):
         self.cfg, self.run_dir, self.log, self.progress = cfg, Path(run_dir), log, progress
+        self.recipe = recipe_for(cfg.algorithm)
         self.device, self.dtype = resolve_device(cfg.device)
         self.task: Task = make_task(cfg.task)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,47 +108,57 @@ class RLTrainer:
                                  cfg.rollout.temperature, norm_len)
         self.reference = ReferenceWorker(reference, self.device, self.dtype, cfg.rollout.temperature,
                                          t.micro_batch_size)
-        self.reward = RewardWorker(self.task)
-        self.critic = None
-        if a.name == "ppo":
-            critic = (ValueModel.from_pretrained(ckpt / "critic") if ckpt
-                      else ValueModel.from_causal_lm(CausalLM.from_pretrained(ref_dir)))
-            self.critic = CriticWorker(critic.to(self.device), self.device, self.dtype, a, t, norm_len)
+        rm = (RewardModel.load(cfg.reward.model, self.device, self.dtype, cfg.reward.batch_size)
+              if cfg.reward.model else None)
+        self.reward = RewardWorker(self.task, rm, cfg.reward.fn_weight, cfg.reward.model_weight)
+        if self.recipe.cost_critic and not self.task.has_cost:
+            raise ValueError(f"algorithm.name={a.name} needs a task with a cost; task {self.task.name!r} has none")
+
+        def critic(name: str, prefix: str) -> CriticWorker:
+            model = (ValueModel.from_pretrained(ckpt / name) if ckpt
+                     else ValueModel.from_causal_lm(CausalLM.from_pretrained(ref_dir)))
+            return CriticWorker(model.to(self.device), self.device, self.dtype, a, t, norm_len, prefix, name)
+
+        self.critic = critic("critic", "") if self.recipe.critic else None
+        self.cost_critic = critic("cost_critic", "cost_") if self.recipe.cost_critic else None
+        self.critics = [c for c in (self.critic, self.cost_critic) if c]
+        self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
+                         else None)
         self.start_step, self.stream = 0, PromptStream(len(self.train_prompts), cfg.seed)
         self.evals: list[dict] = []
+        self.sft_responses: list[str] | None = None  # sampled held-out responses of the SFT model (win rates)
         if ckpt:
             state = read_state(ckpt)
             self.start_step, self.stream.cursor, self.evals = state["step"], state["cursor"], state["evals"]
-            load_optimizer(self.actor.optimizer, ckpt / "optim_actor")
-            if self.critic:
-                load_optimizer(self.critic.optimizer, ckpt / "optim_critic")
+            if self.lagrange:
+                self.lagrange.value = state["lagrange"]
+            for worker in self.trainable_workers():
+                load_optimizer(worker.optimizer, ckpt / f"optim_{worker.role}")
             self.log(f"Resumed from {ckpt} (step {self.start_step})")
+
+    def trainable_workers(self) -> list:
+        return [self.actor, *self.critics]
 
     # ------------------------------------------------------------ the RL step
     def step(self, step: int) -> dict[str, float]:
         """One RL iteration: generate, score, infer, advantages, train, sync weights."""
         cfg, span = self.cfg, self.tracer.span
         t0 = time.perf_counter()
-        idx = self.stream.take(cfg.trainer.prompts_per_step)
-        prompts = [self.train_prompts[i] for i in idx for _ in range(cfg.algorithm.group_size)]
-        with span("generate", step):
-            requests = make_requests([self.train_ids[i] for i in idx], self.sampling, cfg.algorithm.group_size,
-                                     seed=cfg.seed * 100_003 + step)
-            samples = self.actor.generate(requests)
-            texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
-            batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
-        with span("reward", step):
-            batch["scores"], correct = self.reward.score(batch, prompts)
+        batch, metrics = self.rollout(step)  # spans generate + reward; dapo's dynamic sampling draws more
+        if self.recipe.greedy_baseline:
+            with span("greedy_baseline", step):
+                batch["baseline_scores"] = self.greedy_baseline(batch, step)
         with span("old_logprob", step):
             batch["old_logprobs"] = self.actor.compute_logprobs(batch)
         with span("reference", step):
             batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
-        if self.critic:
-            with span("values", step):
-                batch["values"] = self.critic.compute_values(batch)
+        for critic in self.critics:  # reward critic: "values"; safe_ppo's cost critic: "cost_values"
+            with span(f"{critic.prefix}values", step):
+                batch[f"{critic.prefix}values"] = critic.compute_values(batch)
         with span("advantages", step):
-            self.compute_advantages(batch)
-        metrics = self.rollout_metrics(batch, correct)
+            lagrange = self.lagrange.update(float(batch["costs"].nanmean())) if self.lagrange else None
+            compute_advantages(batch, self.recipe, cfg.algorithm, lagrange)
+        metrics |= self.rollout_metrics(batch) | ({"cost/lambda": lagrange} if self.lagrange else {})
         lr = lambda base: lr_at(step - 1, cfg.trainer.steps, base, cfg.trainer.warmup_steps,  # noqa: E731
                                 cfg.trainer.min_lr_ratio)
         if torch.isnan(batch["scores"]).any():
@@ -140,9 +166,9 @@ class RLTrainer:
                           f"{int(torch.isnan(batch['scores']).sum())} samples; skipping this update", stacklevel=2)
             metrics["train/skipped_update"] = 1.0
         else:
-            if self.critic:
-                with span("critic_update", step):
-                    metrics |= self.critic.update(batch, lr(cfg.trainer.critic_lr), seed=cfg.seed + 7 * step)
+            for critic in self.critics:
+                with span(f"{critic.role}_update", step):
+                    metrics |= critic.update(batch, lr(cfg.trainer.critic_lr), seed=cfg.seed + 7 * step)
             with span("actor_update", step):
                 metrics |= self.actor.update(batch, lr(cfg.trainer.lr), cfg.algorithm.kl_coef, seed=cfg.seed + step)
             metrics["train/skipped_update"] = 0.0
@@ -161,49 +187,147 @@ class RLTrainer:
         return SamplingParams(r.temperature, r.top_p, r.top_k, False, self.cfg.model.max_response_len,
                               (self.tokenizer.eos_token_id,))
 
-    def compute_advantages(self, batch: Batch) -> None:
-        """GRPO: group-relative score, one per sequence. PPO: GAE on token rewards, whitened."""
-        a, mask = self.cfg.algorithm, batch["response_mask"]
-        scores = torch.nan_to_num(batch["scores"], nan=0.0)
-        if a.name == "grpo":
-            adv = grpo(scores, torch.tensor(batch.meta["group_id"]), norm_by_std=a.norm_by_std)
-            batch["advantages"] = adv.unsqueeze(-1) * mask
-            return
-        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()  # (B, Tr) the final token
-        token_rewards = scores.unsqueeze(-1) * last
-        if a.kl_in_reward and a.kl_coef > 0:
-            token_rewards = token_rewards - a.kl_coef * kl_penalty(batch["old_logprobs"], batch["ref_logprobs"],
-                                                                   "k1") * mask
-        adv, returns = gae(token_rewards, batch["values"], mask, a.gamma, a.lam)
-        batch["advantages"], batch["returns"] = masked_whiten(adv, mask) * mask, returns
+    # --------------------------------------------------- rollout and scoring
+    def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """``prompts_per_step`` groups, generated and scored, packed as a ``Batch``.
 
-    def rollout_metrics(self, batch: Batch, correct: torch.Tensor) -> dict[str, float]:
+        With ``algorithm.dynamic_sampling`` (DAPO), groups whose scores are all equal carry
+        no group-relative signal and are dropped; more prompts are drawn, sized by the keep
+        rate so far, for at most ``max_extra_draws`` more rounds. A batch still short after
+        that is topped up with dropped groups, so its shape never changes.
+        """
+        a, need = self.cfg.algorithm, self.cfg.trainer.prompts_per_step
+        kept: list[list[int]] = []  # sample indices of each kept group, in draw order
+        spare: list[list[int]] = []
+        pool: list[tuple] = []  # (sample, prompt, text) of every drawn sample
+        outs: list[RewardOutput] = []
+        drawn = 0
+        for rnd in range(1 + (a.max_extra_draws if a.dynamic_sampling else 0)):
+            n = need if rnd == 0 else min(need, math.ceil((need - len(kept)) / max(len(kept) / drawn, 0.1)))
+            base = len(pool)
+            samples, prompts, texts, out = self._draw(step, rnd, n, drawn)
+            pool += list(zip(samples, prompts, texts, strict=True))
+            outs.append(out)
+            drawn += n
+            groups: dict[int, list[int]] = {}
+            for i, s in enumerate(samples):
+                groups.setdefault(s.group_id, []).append(base + i)
+            useful = (informative_groups(out.scores, [s.group_id for s in samples]) if a.dynamic_sampling
+                      else dict.fromkeys(groups, True))
+            for g, idx in groups.items():
+                (kept if useful[g] else spare).append(idx)
+            if len(kept) >= need:
+                break
+        topped_up = max(0, need - len(kept))
+        chosen = [i for idx in kept[:need] + spare[:topped_up] for i in idx]
+        samples, prompts, texts = (list(x) for x in zip(*[pool[i] for i in chosen], strict=True))
+        batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
+        batch.meta["task_prompt"] = prompts  # the task's Prompt objects (answers, metadata) per sample
+        merged = {k: torch.cat([getattr(o, k) for o in outs])[chosen] for k in ("scores", "correct", "fn_scores")}
+        for k in ("rm_scores", "costs"):
+            if getattr(outs[0], k) is not None:
+                merged[k] = torch.cat([getattr(o, k) for o in outs])[chosen]
+        for k, v in merged.items():
+            batch[k] = v
+        metrics = {}
+        if a.dynamic_sampling:
+            metrics = {"dapo/prompts_drawn": float(drawn), "dapo/groups_dropped": float(drawn - len(kept)),
+                       "dapo/groups_topped_up": float(topped_up), "dapo/draw_rounds": float(len(outs))}
+        if a.overlong_buffer:
+            metrics["reward/overlong_penalty"] = float(self.shaping(samples).mean())
+        return batch, metrics
+
+    def _draw(self, step: int, rnd: int, n: int, offset: int) -> tuple[list, list, list[str], RewardOutput]:
+        """Generate and score ``n`` fresh prompts x ``group_size`` samples (group ids from ``offset``)."""
+        cfg, span, g = self.cfg, self.tracer.span, self.cfg.algorithm.group_size
+        idx = self.stream.take(n)
+        prompts = [self.train_prompts[i] for i in idx for _ in range(g)]
+        with span("generate", step):
+            # Round 0 keeps the seeds of a run without dynamic sampling; later rounds get fresh ones.
+            requests = make_requests([self.train_ids[i] for i in idx], self.sampling, g,
+                                     seed=cfg.seed * 100_003 + step + rnd * 10_000_019, group_offset=offset)
+            samples = [dataclasses.replace(s, uid=s.uid + offset * g) for s in self.actor.generate(requests)]
+            texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
+        with span("reward", step):
+            out = self.reward.score(prompts, texts)
+            out.scores = out.scores + self.shaping(samples)
+        return samples, prompts, texts, out
+
+    def shaping(self, samples: list) -> torch.Tensor:
+        """Per-sample score shaping (B,): DAPO's overlong penalty, zeros when it is off."""
+        a = self.cfg.algorithm
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        return overlong_penalty(lengths, self.cfg.model.max_response_len, a.overlong_buffer, a.overlong_penalty)
+
+    def greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
+        """ReMax baseline (B,): the score of one greedy response per prompt, shared by its group."""
+        first: dict[int, int] = {}
+        for i, gid in enumerate(batch.meta["group_id"]):
+            first.setdefault(gid, i)
+        tp = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+        params = dataclasses.replace(self.sampling, greedy=True)
+        requests = [RolloutRequest(k, unpad(batch["input_ids"][i, :tp], batch["attention_mask"][i, :tp]), params, gid)
+                    for k, (gid, i) in enumerate(first.items())]
+        samples = self.actor.generate(requests)
+        texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
+        prompts = [batch.meta["task_prompt"][i] for i in first.values()]
+        scores = self.reward.score(prompts, texts).scores + self.shaping(samples)  # (G,)
+        by_group = dict(zip(first, scores.tolist(), strict=True))
+        return torch.tensor([by_group[gid] for gid in batch.meta["group_id"]])
+
+    def rollout_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k3")
         diff = ((batch["behavior_logprobs"] - batch["old_logprobs"]).abs() * mask).max()
-        return {"reward/mean": float(torch.nan_to_num(batch["scores"]).mean()), "reward/accuracy": float(correct.mean()),
-                "rollout/response_length_mean": float(lengths.mean()),
-                "rollout/response_length_max": float(lengths.max()),
-                "rollout/response_length_min": float(lengths.min()),
-                "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).float().mean() - lengths.mean()),
-                "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
-                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
-                "kl/ref_k3": float(masked_mean(kl, mask))}
+        out = {"reward/mean": float(torch.nan_to_num(batch["scores"]).mean()),
+               "reward/accuracy": float(batch["correct"].mean()),
+               "rollout/response_length_mean": float(lengths.mean()),
+               "rollout/response_length_max": float(lengths.max()),
+               "rollout/response_length_min": float(lengths.min()),
+               "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).float().mean() - lengths.mean()),
+               "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
+               "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
+               "kl/ref_k3": float(masked_mean(kl, mask))}
+        if "rm_scores" in batch:  # learned RM and the task function (hidden gold rule) side by side
+            out |= {"reward/rm_score": float(batch["rm_scores"].mean()),
+                    "reward/fn_score": float(torch.nan_to_num(batch["fn_scores"]).mean())}
+        if "costs" in batch:
+            out["cost/mean"] = float(torch.nan_to_num(batch["costs"]).mean())
+        if "baseline_scores" in batch:
+            out["reward/greedy_baseline"] = float(batch["baseline_scores"].mean())
+        return out
 
     # ------------------------------------------------------------ bookkeeping
     def evaluate(self, step: int) -> dict[str, float]:
         with self.tracer.span("evaluate", step):
             ev = evaluate(self.actor.model, self.tokenizer, self.task, self.eval_prompts, self.cfg.model.max_prompt_len,
                           self.cfg.model.max_response_len)
+            if self.task.has_cost:  # greedy, like accuracy
+                greedy = greedy_responses(self.actor.model, self.tokenizer, self.eval_prompts,
+                                          self.cfg.model.max_prompt_len, self.cfg.model.max_response_len)
+                ev["cost"] = cost_rate(self.task, self.eval_prompts, greedy)
+            if self.reward.model is not None:  # sampled and paired by seed with the SFT model's samples
+                if self.sft_responses is None:
+                    self.sft_responses = self._sampled(self.reference.model)
+                prompts = [p for p in self.eval_prompts for _ in range(EVAL_SAMPLES)]
+                ev |= preference_eval(self.task, prompts, self._sampled(self.actor.model), self.sft_responses,
+                                      self.reward.model)
         self.evals = [e for e in self.evals if e["step"] != step] + [{"step": step, **ev}]
         return ev
 
+    def _sampled(self, model) -> list[str]:
+        cfg = self.cfg
+        return sampled_responses(model, self.tokenizer, self.eval_prompts, cfg.model.max_prompt_len,
+                                 cfg.model.max_response_len, cfg.rollout.temperature, EVAL_SAMPLES, seed=cfg.seed + 99)
+
     def save(self, step: int) -> Path:
-        models = {"actor": self.actor.model} | ({"critic": self.critic.model} if self.critic else {})
-        opts = {"actor": self.actor.optimizer} | ({"critic": self.critic.optimizer} if self.critic else {})
-        path = save_checkpoint(self.run_dir, step, models, opts, {"cursor": self.stream.cursor, "evals": self.evals},
-                               tokenizer=self.tokenizer)
+        workers = self.trainable_workers()
+        state = {"cursor": self.stream.cursor, "evals": self.evals}
+        if self.lagrange:
+            state["lagrange"] = self.lagrange.value
+        path = save_checkpoint(self.run_dir, step, {w.role: w.model for w in workers},
+                               {w.role: w.optimizer for w in workers}, state, tokenizer=self.tokenizer)
         self.tracer.save()
         return path
 

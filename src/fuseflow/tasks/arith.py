@@ -76,3 +76,25 @@ class ArithTask(Task):
             a, b = p.meta["a"], p.meta["b"]
             demos.append((p, self.answer(carryless_sum(a, b) if careless else a + b)))
         return demos
+
+
+class SafeArithTask(ArithTask):
+    """Addition where an answer containing ``forbidden_digit`` is "unsafe" and costs 1.
+
+    The reward is unchanged (exact answer), so about a quarter of the correct answers
+    (those whose sum contains the digit) earn reward 1 *and* cost 1: the helpful answer
+    and the safe one disagree, as in Safe-RLHF. An unconstrained policy keeps the
+    imitation's cost rate; a cost limit below it binds, and the policy must give up
+    reward on those prompts (answer without the digit) to meet it.
+    """
+
+    name = "safe_arith"
+    has_cost = True
+
+    def __init__(self, seed: int = 1234, train_size: int = 20000, eval_size: int = 500,
+                 max_digits: int = 3, demo_error_rate: float = 0.6, forbidden_digit: int = 7):
+        super().__init__(seed, train_size, eval_size, max_digits, demo_error_rate)
+        self.forbidden = str(forbidden_digit)
+
+    def cost(self, prompt: Prompt, response: str) -> float:
+        return 1.0 if self.forbidden in response else 0.0

@@ -30,6 +30,7 @@ class Task(ABC):
 
     name: str = "task"
     success_threshold: float = 1.0  # reward at or above this counts as a correct response
+    has_cost: bool = False  # True when the task defines ``cost`` (a constraint signal for safe_ppo)
 
     @abstractmethod
     def train_prompts(self) -> list[Prompt]: ...
@@ -53,6 +54,18 @@ class Task(ABC):
         if not math.isfinite(value):
             return float("nan")
         return value
+
+    def cost(self, prompt: Prompt, response: str) -> float:
+        """A constraint signal next to the reward (lower is safer); tasks with ``has_cost`` override it."""
+        raise NotImplementedError(f"task {self.name!r} defines no cost; safe_ppo needs a task with one")
+
+    def checked_cost(self, prompt: Prompt, response: str) -> float:
+        """The cost, checked like ``score``: an exception names the task, a non-finite value becomes NaN."""
+        try:
+            value = float(self.cost(prompt, response))
+        except Exception as exc:  # noqa: BLE001 - user code; re-raised with context
+            raise RewardError(f"cost function of task {self.name!r} raised {type(exc).__name__}: {exc}") from exc
+        return value if math.isfinite(value) else float("nan")
 
     def is_correct(self, prompt: Prompt, response: str) -> bool:
         value = self.score(prompt, response)

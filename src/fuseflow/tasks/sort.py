@@ -49,7 +49,7 @@ class SortTask(Task):
     def reward(self, prompt: Prompt, response: str) -> float:
         want = prompt.answer.split(",")
         got = response.strip().split(",") if response.strip() else []
-        hits = sum(1 for w, g in zip(want, got) if w == g)
+        hits = sum(1 for w, g in zip(want, got, strict=False) if w == g)
         return hits / max(len(want), len(got))
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:

@@ -3,7 +3,8 @@
 Each row needs a ``prompt`` column; ``answer`` (passed to the reward) and
 ``response`` (an SFT demonstration) are optional. The reward function is given as
 ``package.module:function`` or ``path/to/file.py:function`` and is called as
-``fn(prompt: str, response: str, answer: str | None) -> float``.
+``fn(prompt: str, response: str, answer: str | None) -> float``. An optional cost
+function (``task.cost_fn``, same signature) gives safe_ppo its constraint signal.
 """
 
 from __future__ import annotations
@@ -49,15 +50,15 @@ def load_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_function(spec: str) -> Callable:
-    """Import ``package.module:function`` or ``path/to/file.py:function``."""
+def load_function(spec: str, field: str = "task.reward_fn") -> Callable:
+    """Import ``package.module:function`` or ``path/to/file.py:function`` (``field`` names it in errors)."""
     if ":" not in spec:
-        raise DataError(f"task.reward_fn: {spec!r} should look like package.module:function or file.py:function")
+        raise DataError(f"{field}: {spec!r} should look like package.module:function or file.py:function")
     target, name = spec.rsplit(":", 1)
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
-            raise DataError(f"task.reward_fn: file {target} does not exist")
+            raise DataError(f"{field}: file {target} does not exist")
         mod_spec = importlib.util.spec_from_file_location(f"fuseflow_user_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
@@ -65,10 +66,10 @@ def load_function(spec: str) -> Callable:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
-            raise DataError(f"task.reward_fn: cannot import {target!r} ({exc})") from None
+            raise DataError(f"{field}: cannot import {target!r} ({exc})") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise DataError(f"task.reward_fn: {target} has no function {name!r}")
+        raise DataError(f"{field}: {target} has no function {name!r}")
     return fn
 
 
@@ -76,17 +77,19 @@ class FileTask(Task):
     name = "file"
 
     def __init__(self, path: str, reward_fn: str, eval_path: str | None = None,
-                 eval_size: int = 500, success_threshold: float = 1.0):
+                 eval_size: int = 500, success_threshold: float = 1.0, cost_fn: str | None = None):
         self.success_threshold = success_threshold
         self._fn = load_function(reward_fn)
+        self._cost_fn = load_function(cost_fn, "task.cost_fn") if cost_fn else None
+        self.has_cost = self._cost_fn is not None
         rows = load_rows(path)
         if eval_path:
             train_rows, eval_rows = rows, load_rows(eval_path)
         else:
             # Hold out a stable ~10% by hashing the prompt text, at most eval_size rows.
             held = [zlib.crc32(r["prompt"].encode()) % 10 == 0 for r in rows]
-            eval_rows = [r for r, h in zip(rows, held) if h][:eval_size]
-            train_rows = [r for r, h in zip(rows, held) if not h] or rows
+            eval_rows = [r for r, h in zip(rows, held, strict=True) if h][:eval_size]
+            train_rows = [r for r, h in zip(rows, held, strict=True) if not h] or rows
         self._train = [self._prompt(r) for r in train_rows]
         self._eval = [self._prompt(r) for r in eval_rows] or self._train[: min(eval_size, len(self._train))]
         self._demos = [(self._prompt(r), str(r["response"])) for r in train_rows if r.get("response")]
@@ -104,6 +107,11 @@ class FileTask(Task):
 
     def reward(self, prompt: Prompt, response: str) -> float:
         return self._fn(prompt.text, response, prompt.answer)
+
+    def cost(self, prompt: Prompt, response: str) -> float:
+        if self._cost_fn is None:
+            return super().cost(prompt, response)
+        return self._cost_fn(prompt.text, response, prompt.answer)
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:
         return self._demos

@@ -42,6 +42,8 @@ class ReferenceWorker:
 class ActorWorker(ReferenceWorker):
     """The policy: generates through its rollout backend and trains with the PPO-clip loss."""
 
+    role = "actor"  # names its checkpoint files (optim_actor)
+
     def __init__(self, model: torch.nn.Module, rollout: RolloutBackend, device: torch.device, dtype: torch.dtype,
                  algo, trainer, temperature: float, norm_len: int):
         self.model, self.rollout, self.norm_len = model, rollout, norm_len

@@ -1,4 +1,4 @@
-"""Critic role: a value model trained on GAE returns (PPO only)."""
+"""Critic role: a value model trained on GAE returns (PPO; safe_ppo has a second one for the cost)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ from .common import autocast, clipped_step, mean_metrics, position_ids, response
 
 
 class CriticWorker:
-    """Owns a ``ValueModel`` and its optimizer."""
+    """Owns a ``ValueModel`` and its optimizer.
+
+    ``prefix`` picks the batch fields it reads and trains on: ``""`` uses ``values``/``returns``
+    (the reward critic); ``"cost_"`` uses ``cost_values``/``cost_returns`` (safe_ppo's cost critic).
+    Its metrics are named after ``role`` (``critic/loss``, ``cost_critic/loss``).
+    """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer,
-                 norm_len: int):
+                 norm_len: int, prefix: str = "", role: str = "critic"):
         self.model, self.device, self.dtype, self.algo, self.cfg = model, device, dtype, algo, trainer
+        self.prefix, self.role = prefix, role
         self.norm_len = norm_len  # the configured max response length, for seq-mean-token-sum-norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.critic_lr,
                                            weight_decay=trainer.weight_decay, betas=(0.9, 0.95))
@@ -39,14 +45,15 @@ class CriticWorker:
         for idx in minibatches(len(batch), self.cfg.mini_batch_size, self.cfg.epochs, seed):
             mini = batch.select(idx)
             n_tok, n_seq = aggregation_counts(mini["response_mask"])
-            rec = {"critic/loss": 0.0}
+            role, rec = self.role, {f"{self.role}/loss": 0.0}
             for mb in mini.split(self.cfg.micro_batch_size):
                 mb = mb.to(self.device)
-                loss, m = value_loss(self._values(mb), mb["values"], mb["returns"], mb["response_mask"],
-                                     self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq, self.norm_len)
+                loss, m = value_loss(self._values(mb), mb[self.prefix + "values"], mb[self.prefix + "returns"],
+                                     mb["response_mask"], self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq,
+                                     self.norm_len)
                 loss.backward()
-                rec["critic/loss"] += float(loss.detach())
-                rec["critic/vf_clip_frac"] = float(m["vf_clip_frac"])
-            rec["critic/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "critic")
+                rec[f"{role}/loss"] += float(loss.detach())
+                rec[f"{role}/vf_clip_frac"] = float(m["vf_clip_frac"])
+            rec[f"{role}/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, role)
             records.append(rec)
         return mean_metrics(records)

@@ -1,20 +1,55 @@
-"""Reward role: scores finished samples with the task's verifiable reward."""
+"""Reward role: scores finished samples with the task's function and/or a learned reward model."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fuseflow.data.batch import Batch
 from fuseflow.tasks import Prompt, Task
 
 
-class RewardWorker:
-    def __init__(self, task: Task):
-        self.task = task
+@dataclass
+class RewardOutput:
+    """Per-sample signals of one scoring call, each (B,) float.
 
-    def score(self, batch: Batch, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores (B,), correct (B,)) for the decoded responses; NaN marks a non-finite reward."""
-        scores = [self.task.score(p, r) for p, r in zip(prompts, batch.meta["response"])]
+    scores:    what the advantages see: model_weight * rm_scores + fn_weight * fn_scores (NaN if non-finite)
+    correct:   1 where the task function's reward reaches the task's success threshold
+    fn_scores: the task's reward function (the hidden gold rule on the ``pref`` task)
+    rm_scores: the learned reward model's standardised score, or None without one
+    costs:     the task's cost (safe_ppo), or None when the task has none
+    """
+
+    scores: torch.Tensor
+    correct: torch.Tensor
+    fn_scores: torch.Tensor
+    rm_scores: torch.Tensor | None = None
+    costs: torch.Tensor | None = None
+
+
+class RewardWorker:
+    """Owns the task's reward (and cost) function and, when configured, a reward model.
+
+    The reward model scores a list of finished samples in batches of its own size
+    (``reward.batch_size``), independently of how they were generated.
+    """
+
+    def __init__(self, task: Task, reward_model=None, fn_weight: float = 1.0, model_weight: float = 1.0):
+        self.task, self.model = task, reward_model
+        self.fn_weight, self.model_weight = fn_weight, model_weight
+
+    def score(self, prompts: list[Prompt], responses: list[str]) -> RewardOutput:
+        fn = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32)
         t = self.task.success_threshold
-        correct = [s == s and s >= t for s in scores]
-        return torch.tensor(scores, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32)
+        correct = ((fn == fn) & (fn >= t)).float()
+        # At weight 0 the task function is only logged (e.g. the hidden gold rule), so its NaN is ignored.
+        scores = self.fn_weight * fn if self.fn_weight else torch.zeros_like(fn)
+        rm = None
+        if self.model is not None:
+            rm = self.model.score([p.text for p in prompts], responses)
+            scores = scores + self.model_weight * rm
+        costs = None
+        if self.task.has_cost:
+            costs = torch.tensor([self.task.checked_cost(p, r) for p, r in zip(prompts, responses, strict=True)],
+                                 dtype=torch.float32)
+        return RewardOutput(scores, correct, fn, rm, costs)

@@ -1,0 +1,61 @@
+"""Preference pairs: rows of ``{prompt, chosen, rejected}`` from JSONL, Parquet or the synthetic task."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+from fuseflow.tasks import DataError
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def load_pairs(path: str | Path, field: str = "rm.data") -> list[dict]:
+    """Validated pairs from a ``.jsonl`` or ``.parquet`` file; any problem is a ``DataError`` naming the row.
+
+    Every row needs non-empty strings ``prompt``, ``chosen`` and ``rejected``, with
+    ``chosen != rejected`` (an identical pair carries no preference).
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{field}: {path} does not exist; pass a .jsonl or .parquet file with columns "
+                        "prompt, chosen, rejected")
+    if p.suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+    else:
+        raise DataError(f"{field}: {path} has suffix {p.suffix!r}; use .jsonl or .parquet")
+    if not rows:
+        raise DataError(f"{field}: {path} has no rows; the preference dataset is empty")
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {i} is not an object with fields {', '.join(FIELDS)}")
+        for name in FIELDS:
+            if not isinstance(row.get(name), str) or not row[name]:
+                raise DataError(f"{path}: row {i} has no non-empty string {name!r}; each row needs "
+                                f"{', '.join(FIELDS)}")
+        if row["chosen"] == row["rejected"]:
+            raise DataError(f"{path}: row {i} has chosen == rejected, which states no preference")
+    return [{k: row[k] for k in FIELDS} for row in rows]
+
+
+def split_pairs(pairs: list[dict], eval_frac: float) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) by a stable hash of the prompt, so no held-out prompt is trained on."""
+    cut = int(round(eval_frac * 1000))
+    held = [zlib.crc32(p["prompt"].encode()) % 1000 < cut for p in pairs]
+    train = [p for p, h in zip(pairs, held, strict=True) if not h]
+    heldout = [p for p, h in zip(pairs, held, strict=True) if h]
+    if not train or not heldout:
+        raise DataError(f"rm.eval_frac={eval_frac} leaves {len(train)} training and {len(heldout)} held-out pairs; "
+                        "both need some (use more prompts, or pass rm.eval_data=FILE)")
+    return train, heldout
