@@ -8,10 +8,11 @@ slots. Runs alternate between the two sides and the median time of each side is 
 burst of load from other processes hits both alike. Wall-clock and process-CPU times are both
 recorded; on a CPU shared with other work, CPU time with one torch thread is the steadier measure.
 
-Workloads (full size; `--quick` shrinks them):
-  uniform    every response the same length, prompts of mixed length
-  long_tail  response lengths log-normal, clipped, p99/p50 >= 8
-  groups     8 samples per prompt of 200 tokens (GRPO groups), lengths as in long_tail
+Workloads (full size; `--quick` divides request counts and the length cap by 4):
+  uniform    64 requests, prompts of 16-128 tokens, every response 96 tokens
+  long_tail  128 requests, prompts of 16-128 tokens, response lengths log-normal (median 24,
+             sigma 1.1) clipped to [2, 256]: p99/p50 about 10
+  groups     16 prompts of 200 tokens x 8 samples (GRPO groups), lengths as in long_tail
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ def make_workload(name: str, quick: bool, seed: int = 0) -> tuple[list[RolloutRe
         prompts = [_prompt(gen, int(torch.randint(16, 129, (1,), generator=gen))) for _ in range(n)]
         lengths, groups = [resp] * n, list(range(n))
     elif name == "long_tail":
-        n = 64 // scale
+        n = 128 // scale
         prompts = [_prompt(gen, int(torch.randint(16, 129, (1,), generator=gen))) for _ in range(n)]
-        lengths, groups = long_tail_lengths(n, 32 // scale, 1.1, 2, 384 // scale, seed), list(range(n))
+        lengths, groups = long_tail_lengths(n, 24, 1.1, 2, 256 // scale, seed), list(range(n))
     elif name == "groups":
-        n_prompts, k = 8 // scale, 8
+        n_prompts, k = 16 // scale, 8
         base = [_prompt(gen, 200) for _ in range(n_prompts)]
         prompts = [p for p in base for _ in range(k)]
-        lengths = long_tail_lengths(n_prompts * k, 32 // scale, 1.1, 2, 384 // scale, seed + 1)
+        lengths = long_tail_lengths(n_prompts * k, 24, 1.1, 2, 256 // scale, seed + 1)
         groups = [g for g in range(n_prompts) for _ in range(k)]
     else:
         raise ValueError(f"unknown workload {name!r}; choose one of {WORKLOADS}")
