@@ -181,3 +181,24 @@ def test_sampling_frequencies_follow_the_filtered_softmax(params: dict) -> None:
     # The same test must reject a wrong distribution (the unfiltered uniform one).
     assert _chi_square_p(counts, torch.full((V,), 1.0 / V, dtype=torch.float64)) < 1e-6
     assert math.isfinite(float(counts.sum()))
+
+
+def test_hf_backend_logprobs_match_the_training_forward_and_stop_tokens_cut() -> None:
+    from fuseflow.rollout.hf_backend import HFBackend
+
+    model = _model()
+    reqs = _requests(5, greedy=False, temperature=0.7)
+    backend = HFBackend(model, pad_id=0, batch_size=3)
+    for s in backend.generate(reqs):
+        want = _train_logprobs(model, s.prompt_ids, s.response_ids, 0.7)
+        assert (torch.tensor(s.logprobs) - want).abs().max().item() < 1e-4
+    free = next(backend.generate([RolloutRequest(0, [5, 6, 7], SamplingParams(greedy=True, max_new_tokens=12))]))
+    stop = free.response_ids[4]
+    cut = next(backend.generate([RolloutRequest(0, [5, 6, 7], SamplingParams(greedy=True, max_new_tokens=12,
+                                                                             stop_token_ids=(stop,)))]))
+    assert cut.response_ids == free.response_ids[: free.response_ids.index(stop) + 1] and cut.finish_reason == "stop"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    backend.update_weights(3)  # copies the source model's new weights into the HF copy
+    after = next(backend.generate([RolloutRequest(0, [5, 6, 7], SamplingParams(greedy=True, max_new_tokens=12))]))
+    assert after.policy_version == 3 and after.response_ids != free.response_ids

@@ -34,8 +34,10 @@ class EngineConfig:
     """Capacity of one engine.
 
     max_num_seqs:           slots: sequences decoded together in one step
-    kv_budget_tokens:       KV cache size in tokens (all layers), rounded down to whole blocks;
-                            this bounds the engine's memory, whatever the requests
+    kv_budget_tokens:       paged KV pool size in tokens (all layers), rounded down to whole blocks;
+                            admission and preemption keep every sample inside it. Decoding rows
+                            also keep a contiguous copy of their KV (at most max_num_seqs x the
+                            longest decoding sample), which makes attention copy-free
     block_size:             tokens per KV block (the unit of allocation and of prefix caching)
     max_num_batched_tokens: tokens computed per step (decode rows + prefill chunks); longer
                             prompts are prefilled in chunks
@@ -43,7 +45,7 @@ class EngineConfig:
     """
 
     max_num_seqs: int = 64
-    kv_budget_tokens: int = 65536
+    kv_budget_tokens: int = 16384
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
@@ -110,6 +112,7 @@ class Engine(RolloutBackend):
             return self.scheduler.postprocess(plan, tokens, logprobs, self.policy_version)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is still waiting or running."""
         return self.scheduler.has_unfinished()
 
     def generate(self, requests: Iterable[RolloutRequest | PartialState]) -> Iterator[Sample]:

@@ -80,12 +80,14 @@ class Scheduler:
         self.watermark = blocks.num_blocks // 100
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence at the back (uids must be unique among waiting and running ones)."""
         if seq.uid in self.uids:
             raise ValueError(f"request uid {seq.uid} is already in this engine; uids must be unique")
         self.uids.add(seq.uid)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------------------------ scheduling
