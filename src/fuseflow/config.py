@@ -129,7 +129,11 @@ class AlgorithmConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    backend: Literal["sampler"] = "sampler"
+    # sampler: the foundation's static-batch sampler; engine: continuous batching with a paged KV
+    # cache and shared prefixes (fuseflow.rollout.engine); hf: plain transformers `generate`.
+    backend: Literal["sampler", "engine", "hf"] = "sampler"
+    max_num_seqs: int = Field(64, gt=0)  # engine: sequence slots
+    kv_budget_tokens: int = Field(16384, gt=0)  # engine: KV cache budget in tokens
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k

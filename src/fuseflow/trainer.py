@@ -104,7 +104,7 @@ class RLTrainer:
         reference = CausalLM.from_pretrained(ref_dir).to(self.device)
         t, a = cfg.trainer, cfg.algorithm
         norm_len = cfg.model.max_response_len
-        self.actor = ActorWorker(actor, Sampler(actor, self.tokenizer.pad_token_id), self.device, self.dtype, a, t,
+        self.actor = ActorWorker(actor, self._rollout_backend(actor), self.device, self.dtype, a, t,
                                  cfg.rollout.temperature, norm_len)
         self.reference = ReferenceWorker(reference, self.device, self.dtype, cfg.rollout.temperature,
                                          t.micro_batch_size)
@@ -138,6 +138,20 @@ class RLTrainer:
 
     def trainable_workers(self) -> list:
         return [self.actor, *self.critics]
+
+    def _rollout_backend(self, actor: CausalLM):
+        """The configured rollout backend over the actor's own weights (in-process: no copy, except hf)."""
+        r, pad = self.cfg.rollout, self.tokenizer.pad_token_id
+        if r.backend == "engine":
+            from fuseflow.rollout.engine import Engine, EngineConfig
+
+            return Engine(actor, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
+                          tokenizer=self.tokenizer)
+        if r.backend == "hf":
+            from fuseflow.rollout.hf_backend import HFBackend
+
+            return HFBackend(actor, pad_id=pad, batch_size=r.max_num_seqs)
+        return Sampler(actor, pad)
 
     # ------------------------------------------------------------ the RL step
     def step(self, step: int) -> dict[str, float]:
