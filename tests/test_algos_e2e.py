@@ -33,11 +33,11 @@ def _mean(rows, key, part):
 
 @pytest.mark.parametrize("name", [
     "rloo",
+    "remax",
+    "dapo",
     pytest.param("reinforce_pp", marks=pytest.mark.slow),
     pytest.param("dr_grpo", marks=pytest.mark.slow),
-    pytest.param("remax", marks=pytest.mark.slow),
     pytest.param("ppo", marks=pytest.mark.slow),
-    pytest.param("dapo", marks=pytest.mark.slow),
 ])
 def test_algorithm_raises_reward(tmp_path, sft_cache, name):
     summary, rows = _run(tmp_path, sft_cache, f"algorithm.name={name}")

@@ -14,7 +14,9 @@ from fuseflow.config import load_config
 from fuseflow.data.tokenizer import build_char_tokenizer
 from fuseflow.models import ModelConfig, ValueModel
 from fuseflow.reward_model import RewardModel, encode_texts, load_pairs, pairwise_accuracy, train_reward_model
+from fuseflow.runner import train
 from fuseflow.tasks import DataError
+from fuseflow.telemetry.metrics import read_metrics
 
 runner = CliRunner()
 
@@ -111,3 +113,22 @@ def test_train_rm_cli_errors_are_one_line(tmp_path, make, expect):
 def test_trainer_rejects_a_directory_that_is_not_a_reward_model(tmp_path):
     with pytest.raises(ValueError, match="is not a reward-model directory.*fuseflow train-rm"):
         RewardModel.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_ppo_on_the_learned_reward_model_beats_the_sft_model_by_the_gold_rule(tmp_path, sft_cache):
+    from rich.console import Console
+
+    common = [f"cache_dir={sft_cache}", "task.eval_size=200", "trainer.eval_size=200"]
+    report = train_reward_model(load_config("rlhf", common), tmp_path / "rm")
+    assert report["heldout_accuracy"] > 0.85, report["curve"]
+    cfg = load_config("rlhf", [*common, f"reward.model={tmp_path / 'rm'}", "trainer.eval_every=20"])
+    summary = train(cfg, tmp_path / "run", console=Console(quiet=True))
+    rows = read_metrics(tmp_path / "run")
+    assert all(r["reward/mean"] == r["reward/rm_score"] for r in rows)  # fn_weight 0: the gold rule is only logged
+    # Step 0 compares the SFT model with itself on paired samples.
+    assert summary["gold_win_rate_before"] == 0.5
+    # The learned score rises, and the hidden gold rule agrees on held-out prompts.
+    assert summary["rm_score_after"] > summary["rm_score_before"] + 0.5, summary["evals"]
+    assert summary["gold_win_rate_after"] > 0.7, summary["evals"]
+    assert summary["gold_score_after"] > summary["gold_score_before"] + 1.0, summary["evals"]
