@@ -100,3 +100,14 @@ def test_resume_restores_multiplier_cost_critic_and_draw_cursor(tmp_path, sft_ca
         assert (tmp_path / "cut/checkpoints/step_4/cost_critic/model.safetensors").is_file()
     else:
         assert any(r["dapo/prompts_drawn"] > 4 for r in full)
+
+
+def test_dynamic_sampling_tops_up_a_short_batch_when_out_of_draws(tmp_path, sft_cache):
+    # No extra draws allowed: every dropped group must be replaced by a dropped one, keeping the batch full.
+    cfg = load_config("default", TINY + [f"cache_dir={sft_cache}", "algorithm.name=dapo", "algorithm.max_extra_draws=0",
+                                         "trainer.steps=3"])
+    train(cfg, tmp_path / "run", console=Console(quiet=True))
+    rows = read_metrics(tmp_path / "run")
+    assert all(r["dapo/prompts_drawn"] == 4 and r["dapo/draw_rounds"] == 1 for r in rows)
+    assert all(r["dapo/groups_topped_up"] == r["dapo/groups_dropped"] for r in rows)
+    assert sum(r["dapo/groups_dropped"] for r in rows) > 0 and all(r["rollout/num_samples"] == 16 for r in rows)

@@ -232,3 +232,21 @@ def test_inconsistent_algorithm_settings_are_one_line_errors(overrides, expect):
     with pytest.raises(ConfigError) as info:
         load_config("default", overrides)
     assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+def test_file_task_cost_function(tmp_path):
+    from fuseflow.tasks import DataError, FileTask
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "say hi:", "answer": "hi"}\n' * 3)
+    (tmp_path / "fns.py").write_text("def reward(p, r, a):\n    return float(r == a)\n"
+                                     "def cost(p, r, a):\n    return float(len(r))\n")
+    task = FileTask(str(data), f"{tmp_path / 'fns.py'}:reward", cost_fn=f"{tmp_path / 'fns.py'}:cost")
+    p = task.train_prompts()[0]
+    assert task.has_cost and task.checked_cost(p, "hello") == 5.0 and task.score(p, "hi") == 1.0
+    assert not FileTask(str(data), f"{tmp_path / 'fns.py'}:reward").has_cost
+    with pytest.raises(DataError, match="task.cost_fn: .* has no function 'nope'"):
+        FileTask(str(data), f"{tmp_path / 'fns.py'}:reward", cost_fn=f"{tmp_path / 'fns.py'}:nope")
+    cfg = load_config("default", ["task.name=file", f"task.path={data}", f"task.reward_fn={tmp_path}/fns.py:reward",
+                                  f"task.cost_fn={tmp_path}/fns.py:cost", "algorithm.name=safe_ppo"])
+    assert cfg.algorithm.name == "safe_ppo" and cfg.algorithm.kl_in_reward

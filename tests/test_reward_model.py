@@ -110,6 +110,17 @@ def test_train_rm_cli_errors_are_one_line(tmp_path, make, expect):
     assert not (tmp_path / "rm").exists()
 
 
+def test_train_rm_cli_writes_a_directory_the_trainer_loads(tmp_path):
+    result = runner.invoke(app, ["train-rm", "--output", str(tmp_path / "rm"), "rm.init=random", "rm.steps=2",
+                                 "rm.eval_every=1", "rm.synthetic_pairs=64", "task.train_size=200",
+                                 "task.eval_size=50"])
+    assert result.exit_code == 0, result.output
+    assert "held-out pairwise accuracy" in result.output and "reward.model=" in result.output
+    rm = RewardModel.load(tmp_path / "rm")
+    assert rm.meta["train_pairs"] == 64 and len(rm.meta["curve"]) == 2
+    assert rm.score(["abcd:"], ["abcd"]).shape == (1,)
+
+
 def test_trainer_rejects_a_directory_that_is_not_a_reward_model(tmp_path):
     with pytest.raises(ValueError, match="is not a reward-model directory.*fuseflow train-rm"):
         RewardModel.load(tmp_path)

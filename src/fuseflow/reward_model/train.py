@@ -125,7 +125,8 @@ def train_reward_model(cfg: Config, out_dir: Path, progress=None, log=print) -> 
             if acc > best:
                 best, best_state = acc, {k: v.detach().clone() for k, v in rm.model.state_dict().items()}
             if progress:
-                progress.update(bar, completed=step, description=f"train-rm loss {float(loss):.3f} held-out acc {acc:.3f}")
+                progress.update(bar, completed=step,
+                                description=f"train-rm loss {float(loss.detach()):.3f} held-out acc {acc:.3f}")
         elif progress:
             progress.update(bar, completed=step)
     rm.model.load_state_dict(best_state)
