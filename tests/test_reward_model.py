@@ -124,6 +124,10 @@ def test_train_rm_cli_writes_a_directory_the_trainer_loads(tmp_path):
 def test_trainer_rejects_a_directory_that_is_not_a_reward_model(tmp_path):
     with pytest.raises(ValueError, match="is not a reward-model directory.*fuseflow train-rm"):
         RewardModel.load(tmp_path)
+    result = runner.invoke(app, ["train", "--preset", "rlhf", "--output", str(tmp_path / "run"),
+                                 f"reward.model={tmp_path / 'nope'}", f"cache_dir={tmp_path / 'cache'}"])
+    assert result.exit_code == 2 and "is not a reward-model directory" in result.output.replace("\n", " ")
+    assert not (tmp_path / "cache").exists()  # it failed before training any SFT model
 
 
 @pytest.mark.slow

@@ -86,6 +86,9 @@ class RLTrainer:
     # ----------------------------------------------------------------- set-up
     def _setup_models(self, resume: bool) -> None:
         cfg, ref_dir = self.cfg, self.run_dir / "reference"
+        # Load the reward model first: a wrong reward.model path should fail before minutes of SFT.
+        rm = (RewardModel.load(cfg.reward.model, self.device, self.dtype, cfg.reward.batch_size)
+              if cfg.reward.model else None)
         if not ref_dir.is_dir():
             if cfg.sft.enabled:
                 sft_dir, curve = ensure_sft_model(cfg, self.task, self.tokenizer, self.device, self.dtype,
@@ -108,8 +111,6 @@ class RLTrainer:
                                  cfg.rollout.temperature, norm_len)
         self.reference = ReferenceWorker(reference, self.device, self.dtype, cfg.rollout.temperature,
                                          t.micro_batch_size)
-        rm = (RewardModel.load(cfg.reward.model, self.device, self.dtype, cfg.reward.batch_size)
-              if cfg.reward.model else None)
         self.reward = RewardWorker(self.task, rm, cfg.reward.fn_weight, cfg.reward.model_weight)
         if self.recipe.cost_critic and not self.task.has_cost:
             raise ValueError(f"algorithm.name={a.name} needs a task with a cost; task {self.task.name!r} has none")
