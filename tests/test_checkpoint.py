@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from fuseflow.checkpoint import find_checkpoint, latest_checkpoint, load_optimizer, save_checkpoint, save_optimizer
+from fuseflow.checkpoint import (
+    find_checkpoint,
+    latest_checkpoint,
+    load_optimizer,
+    save_checkpoint,
+    save_optimizer,
+)
 
 
 class _Tiny(torch.nn.Module):
@@ -41,7 +47,7 @@ def test_optimizer_round_trip_is_exact(tmp_path):
         model.lin(x).pow(2).sum().backward()
         o.step()
     assert opt2.param_groups[0]["lr"] == 0.1
-    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
 
 

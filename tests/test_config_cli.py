@@ -2,6 +2,7 @@
 
 import pytest
 import yaml
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from fuseflow.cli import app
@@ -26,7 +27,7 @@ def test_overrides_are_typed_and_nested():
 
 def test_config_is_frozen():
     cfg = load_config("default")
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.trainer.steps = 3
 
 

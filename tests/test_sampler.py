@@ -21,7 +21,7 @@ def test_greedy_matches_naive_full_forward_loop():
     model = _model()
     params = SamplingParams(greedy=True, max_new_tokens=6)
     out = list(Sampler(model, pad_id=0).generate([RolloutRequest(i, p, params) for i, p in enumerate(PROMPTS)]))
-    for s, prompt in zip(out, PROMPTS):
+    for s, prompt in zip(out, PROMPTS, strict=True):
         seq = list(prompt)
         with torch.no_grad():
             for _ in range(6):

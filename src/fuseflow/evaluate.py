@@ -12,7 +12,7 @@ from fuseflow.tasks import Prompt, Task
 def encode_prompts(tokenizer, prompts: list[Prompt], max_len: int) -> list[list[int]]:
     """Token ids of each prompt; a prompt over ``max_len`` tokens is a clear error, not a truncation."""
     ids = tokenizer([p.text for p in prompts], add_special_tokens=False)["input_ids"]
-    for p, x in zip(prompts, ids):
+    for p, x in zip(prompts, ids, strict=True):
         if len(x) > max_len:
             raise ValueError(f"prompt {p.text[:40]!r}... has {len(x)} tokens, more than model.max_prompt_len="
                              f"{max_len}; raise model.max_prompt_len or shorten the prompt")

@@ -98,7 +98,7 @@ class Sampler(RolloutBackend):
             token = torch.where(greedy[rows], logits.argmax(-1), sampled)
             token_lp = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
             keep = []
-            for j, (r, t, lp) in enumerate(zip(live, token.tolist(), token_lp.tolist())):
+            for j, (r, t, lp) in enumerate(zip(live, token.tolist(), token_lp.tolist(), strict=True)):
                 out_tokens[r].append(t)
                 out_lp[r].append(lp)
                 if t in stops[r]:

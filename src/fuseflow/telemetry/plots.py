@@ -62,7 +62,7 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
         for s in stages:
             ys = [per_step[x].get(s, 0.0) for x in xs]
             ax.bar(xs, ys, bottom=bottom, label=s, width=1.0)
-            bottom = [b + y for b, y in zip(bottom, ys)]
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
         ax.set(xlabel="RL step", ylabel="seconds", title="Time per stage")
         ax.legend(fontsize=7)
         written.append(_save(fig, out_dir / "stage_time.png"))
