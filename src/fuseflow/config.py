@@ -49,8 +49,10 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _file_needs_paths(self) -> TaskConfig:
-        if self.name == "file" and (not self.path or not self.reward_fn):
-            raise ValueError("task.name=file needs task.path=FILE.jsonl|.parquet and task.reward_fn=module:function")
+        # task.reward_fn may be left out when reward.model gives the reward (checked in Config).
+        if self.name == "file" and not self.path:
+            raise ValueError("task.name=file needs task.path=FILE.jsonl|.parquet (and task.reward_fn=module:function "
+                             "unless reward.model=DIR gives the reward)")
         return self
 
 
@@ -100,6 +102,14 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.01, ge=0.0)
     kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
     kl_in_reward: bool = False  # True: penalty folded into token rewards (PPO style); False: loss term
+    # Adaptive KL (Ziegler et al. 2019): None keeps kl_coef fixed; a value steers the per-token KL to the
+    # reference toward it, moving the coefficient by at most 20% per kl_horizon samples.
+    kl_target: float | None = Field(None, gt=0.0)
+    kl_horizon: int = Field(10000, gt=0)
+    # Policy loss by registry name: ppo (clip against old_logprobs) or decoupled (clip against old_logprobs
+    # as the proximal policy, tokens weighted by min(pi_old / pi_behaviour, is_cap); null means no cap).
+    policy_loss: Literal["ppo", "decoupled"] = "ppo"
+    is_cap: float | None = Field(2.0, gt=0.0)
     norm_by_std: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -241,6 +251,16 @@ class Config(_Section):
                              "use task.name=safe_arith, or task.name=file with task.cost_fn=module:function")
         if self.task.cost_fn and self.task.name != "file":
             raise ValueError(f"task.cost_fn is read by task.name=file only (got task.name={self.task.name})")
+        if self.task.name == "file" and not self.task.reward_fn:
+            if not self.reward.model:
+                raise ValueError("task.name=file needs task.reward_fn=module:function, or reward.model=DIR "
+                                 "(a reward model from `fuseflow train-rm`) to give the reward")
+            if self.reward.fn_weight:
+                raise ValueError(f"reward.fn_weight={self.reward.fn_weight} weighs the task's reward function, "
+                                 "but task.reward_fn is not set; set task.reward_fn or reward.fn_weight=0")
+        if a.kl_target is not None and a.kl_coef == 0:
+            raise ValueError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 and would "
+                             "stay 0; set algorithm.kl_coef>0 as the starting value, or drop kl_target")
         return self
 
     def to_yaml(self) -> str:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import zlib
 from pathlib import Path
 
-from fuseflow.tasks import DataError
+from fuseflow.tasks import DataError, read_rows
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -17,26 +16,7 @@ def load_pairs(path: str | Path, field: str = "rm.data") -> list[dict]:
     Every row needs non-empty strings ``prompt``, ``chosen`` and ``rejected``, with
     ``chosen != rejected`` (an identical pair carries no preference).
     """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f"{field}: {path} does not exist; pass a .jsonl or .parquet file with columns "
-                        "prompt, chosen, rejected")
-    if p.suffix == ".jsonl":
-        rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-    elif p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(p).to_pylist()
-    else:
-        raise DataError(f"{field}: {path} has suffix {p.suffix!r}; use .jsonl or .parquet")
-    if not rows:
-        raise DataError(f"{field}: {path} has no rows; the preference dataset is empty")
+    rows = read_rows(path, field, f"columns {', '.join(FIELDS)}", "preference dataset")
     for i, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise DataError(f"{path}: row {i} is not an object with fields {', '.join(FIELDS)}")

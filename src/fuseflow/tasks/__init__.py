@@ -6,10 +6,10 @@ from .arith import ArithTask, SafeArithTask
 from .base import Prompt, RewardError, Task
 from .pref import PrefTask
 from .sort import SortTask
-from .user import DataError, FileTask, load_function, load_rows
+from .user import DataError, FileTask, load_function, load_rows, read_rows
 
 __all__ = ["ArithTask", "SafeArithTask", "SortTask", "PrefTask", "FileTask", "Prompt", "Task", "RewardError",
-           "DataError", "load_function", "load_rows", "make_task"]
+           "DataError", "load_function", "load_rows", "read_rows", "make_task"]
 
 
 def make_task(cfg) -> Task:

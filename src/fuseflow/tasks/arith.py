@@ -59,12 +59,6 @@ class ArithTask(Task):
     def answer(self, total: int) -> str:
         return f"{total:0{self.max_digits + 1}d}"
 
-    def train_prompts(self) -> list[Prompt]:
-        return self._train
-
-    def eval_prompts(self) -> list[Prompt]:
-        return self._eval
-
     def reward(self, prompt: Prompt, response: str) -> float:
         return 1.0 if response.strip() == prompt.answer else 0.0
 

@@ -31,12 +31,20 @@ class Task(ABC):
     name: str = "task"
     success_threshold: float = 1.0  # reward at or above this counts as a correct response
     has_cost: bool = False  # True when the task defines ``cost`` (a constraint signal for safe_ppo)
+    # False for a user-data task given no reward function: a learned reward model (reward.model)
+    # then supplies the whole reward, and ``score`` is NaN (nothing to log or to count as correct).
+    has_reward: bool = True
+    # Each subclass fills both lists in its __init__; they never share a prompt.
+    _train: list[Prompt]
+    _eval: list[Prompt]
 
-    @abstractmethod
-    def train_prompts(self) -> list[Prompt]: ...
+    def train_prompts(self) -> list[Prompt]:
+        """The prompts RL and SFT train on."""
+        return self._train
 
-    @abstractmethod
-    def eval_prompts(self) -> list[Prompt]: ...
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts, disjoint from ``train_prompts``."""
+        return self._eval
 
     @abstractmethod
     def reward(self, prompt: Prompt, response: str) -> float: ...
@@ -46,14 +54,8 @@ class Task(ABC):
         return []
 
     def score(self, prompt: Prompt, response: str) -> float:
-        """The reward, checked: an exception or a non-finite value becomes a clear error."""
-        try:
-            value = float(self.reward(prompt, response))
-        except Exception as exc:  # noqa: BLE001 - user code; re-raised with context
-            raise RewardError(f"reward function of task {self.name!r} raised {type(exc).__name__}: {exc}") from exc
-        if not math.isfinite(value):
-            return float("nan")
-        return value
+        """The reward, checked: an exception names the task, a non-finite value becomes NaN."""
+        return self._checked(self.reward, "reward", prompt, response)
 
     def cost(self, prompt: Prompt, response: str) -> float:
         """A constraint signal next to the reward (lower is safer); tasks with ``has_cost`` override it."""
@@ -61,10 +63,14 @@ class Task(ABC):
 
     def checked_cost(self, prompt: Prompt, response: str) -> float:
         """The cost, checked like ``score``: an exception names the task, a non-finite value becomes NaN."""
+        return self._checked(self.cost, "cost", prompt, response)
+
+    def _checked(self, fn, what: str, prompt: Prompt, response: str) -> float:
+        # Reward and cost functions may be user code: one failing call must say whose function it was.
         try:
-            value = float(self.cost(prompt, response))
+            value = float(fn(prompt, response))
         except Exception as exc:  # noqa: BLE001 - user code; re-raised with context
-            raise RewardError(f"cost function of task {self.name!r} raised {type(exc).__name__}: {exc}") from exc
+            raise RewardError(f"{what} function of task {self.name!r} raised {type(exc).__name__}: {exc}") from exc
         return value if math.isfinite(value) else float("nan")
 
     def is_correct(self, prompt: Prompt, response: str) -> bool:

@@ -70,12 +70,6 @@ class PrefTask(Task):
                 out.append(Prompt(f"{word}:", None, {"word": word}))
         return out
 
-    def train_prompts(self) -> list[Prompt]:
-        return self._train
-
-    def eval_prompts(self) -> list[Prompt]:
-        return self._eval
-
     def reward(self, prompt: Prompt, response: str) -> float:
         return gold_score(prompt.meta["word"], response.strip())
 

@@ -40,12 +40,6 @@ class SortTask(Task):
             out.append(Prompt(f"sort {text}:", ",".join(map(str, sorted(items))), {"items": items}))
         return out
 
-    def train_prompts(self) -> list[Prompt]:
-        return self._train
-
-    def eval_prompts(self) -> list[Prompt]:
-        return self._eval
-
     def reward(self, prompt: Prompt, response: str) -> float:
         want = prompt.answer.split(",")
         got = response.strip().split(",") if response.strip() else []

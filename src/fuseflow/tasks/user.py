@@ -3,7 +3,8 @@
 Each row needs a ``prompt`` column; ``answer`` (passed to the reward) and
 ``response`` (an SFT demonstration) are optional. The reward function is given as
 ``package.module:function`` or ``path/to/file.py:function`` and is called as
-``fn(prompt: str, response: str, answer: str | None) -> float``. An optional cost
+``fn(prompt: str, response: str, answer: str | None) -> float``. It may be left out
+when a learned reward model (``reward.model``) supplies the reward. An optional cost
 function (``task.cost_fn``, same signature) gives safe_ppo its constraint signal.
 """
 
@@ -23,11 +24,18 @@ class DataError(ValueError):
     """Bad user data: a missing file, an empty dataset or a missing column."""
 
 
-def load_rows(path: str | Path) -> list[dict]:
-    """Rows of a ``.jsonl`` or ``.parquet`` file, each with at least a ``prompt`` field."""
+def read_rows(path: str | Path, field: str = "task.path", columns: str = "a 'prompt' column",
+              what: str = "dataset") -> list[dict]:
+    """Raw rows of a ``.jsonl`` or ``.parquet`` file: the one reader of user data files.
+
+    ``field`` (the config key that named the file) and ``columns`` (what a row needs)
+    phrase the errors; a missing file, an unknown suffix, bad JSON or no rows at all is
+    a ``DataError``. Checking the columns is the caller's job (``load_rows``, and
+    ``fuseflow.reward_model.load_pairs`` for preference pairs).
+    """
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DataError(f"task.path: {path} does not exist; pass a .jsonl or .parquet file with a 'prompt' column")
+        raise DataError(f"{field}: {path} does not exist; pass a .jsonl or .parquet file with {columns}")
     if p.suffix == ".jsonl":
         rows = []
         for i, line in enumerate(p.read_text().splitlines(), 1):
@@ -41,10 +49,17 @@ def load_rows(path: str | Path) -> list[dict]:
 
         rows = pq.read_table(p).to_pylist()
     else:
-        raise DataError(f"task.path: {path} has suffix {p.suffix!r}; use .jsonl or .parquet")
+        raise DataError(f"{field}: {path} has suffix {p.suffix!r}; use .jsonl or .parquet")
     if not rows:
-        raise DataError(f"task.path: {path} has no rows; the dataset is empty")
-    missing = [i for i, r in enumerate(rows) if not isinstance(r.get("prompt"), str) or not r["prompt"]]
+        raise DataError(f"{field}: {path} has no rows; the {what} is empty")
+    return rows
+
+
+def load_rows(path: str | Path, field: str = "task.path") -> list[dict]:
+    """Rows of a ``.jsonl`` or ``.parquet`` prompt file, each with a non-empty ``prompt`` string."""
+    rows = read_rows(path, field)
+    missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)
+               or not r["prompt"]]
     if missing:
         raise DataError(f"{path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
     return rows
@@ -74,17 +89,24 @@ def load_function(spec: str, field: str = "task.reward_fn") -> Callable:
 
 
 class FileTask(Task):
+    """Prompts from the user's file; the reward from ``reward_fn``, or from a reward model alone.
+
+    ``reward_fn=None`` is allowed for RLHF on user prompts (``reward.model`` gives the whole
+    reward): the task then has ``has_reward = False`` and ``score`` is NaN.
+    """
+
     name = "file"
 
-    def __init__(self, path: str, reward_fn: str, eval_path: str | None = None,
+    def __init__(self, path: str, reward_fn: str | None, eval_path: str | None = None,
                  eval_size: int = 500, success_threshold: float = 1.0, cost_fn: str | None = None):
         self.success_threshold = success_threshold
-        self._fn = load_function(reward_fn)
+        self._fn = load_function(reward_fn) if reward_fn else None
+        self.has_reward = self._fn is not None
         self._cost_fn = load_function(cost_fn, "task.cost_fn") if cost_fn else None
         self.has_cost = self._cost_fn is not None
         rows = load_rows(path)
         if eval_path:
-            train_rows, eval_rows = rows, load_rows(eval_path)
+            train_rows, eval_rows = rows, load_rows(eval_path, "task.eval_path")
         else:
             # Hold out a stable ~10% by hashing the prompt text, at most eval_size rows.
             held = [zlib.crc32(r["prompt"].encode()) % 10 == 0 for r in rows]
@@ -99,13 +121,9 @@ class FileTask(Task):
         answer = row.get("answer")
         return Prompt(row["prompt"], None if answer is None else str(answer), {})
 
-    def train_prompts(self) -> list[Prompt]:
-        return self._train
-
-    def eval_prompts(self) -> list[Prompt]:
-        return self._eval
-
     def reward(self, prompt: Prompt, response: str) -> float:
+        if self._fn is None:
+            return float("nan")  # no rule to judge by: the reward model is the only reward
         return self._fn(prompt.text, response, prompt.answer)
 
     def cost(self, prompt: Prompt, response: str) -> float:
