@@ -167,8 +167,10 @@ def _register_plugins() -> None:
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
     from fuseflow.sim.commands import register as register_sim
+    from fuseflow.telemetry.commands import register as register_plot
 
     register_sim(app)
+    register_plot(app)
     register_pipeline(bench_app)
     register_rollout(bench_app)
 

@@ -15,6 +15,8 @@ class Tracer:
 
     Each span is a complete event (``ph: "X"``) with microsecond ``ts``/``dur``; ``tid``
     is the track (one per worker once work runs on several), ``args.step`` the RL step.
+    ``instant`` records a point in time (``ph: "i"``), e.g. a sample finishing generation,
+    from which long-tail metrics are derived (see ``fuseflow.telemetry.gantt``).
     """
 
     def __init__(self, path: Path | None = None, tracks: dict[int, str] | None = None):
@@ -26,9 +28,11 @@ class Tracer:
         if self.path and self.path.exists():  # resume: keep the spans already recorded
             try:
                 old = json.loads(self.path.read_text())
-                self.events = [e for e in old.get("traceEvents", []) if e.get("ph") == "X"]
+                self.events = [e for e in old.get("traceEvents", []) if e.get("ph") in ("X", "i")]
+                self.tracks = {e["tid"]: e["args"]["name"] for e in old.get("traceEvents", [])
+                               if e.get("ph") == "M" and e.get("name") == "thread_name"} | self.tracks
                 if self.events:
-                    end = max(e["ts"] + e["dur"] for e in self.events)
+                    end = max(e["ts"] + e.get("dur", 0.0) for e in self.events)
                     self._t0 -= end / 1e6
             except (json.JSONDecodeError, KeyError):
                 self.events = []
@@ -45,11 +49,21 @@ class Tracer:
                                 "ts": round((start - self._t0) * 1e6, 1), "dur": round((end - start) * 1e6, 1),
                                 "args": {"step": step, **args}})
 
+    def instant(self, name: str, step: int, track: int = 0, **args) -> None:
+        """A point event on ``track`` now (thread-scoped, as Perfetto shows it on that track's row)."""
+        ts = round((time.perf_counter() - self._t0) * 1e6, 1)
+        self.events.append({"name": name, "ph": "i", "s": "t", "pid": 0, "tid": track, "ts": ts,
+                            "args": {"step": step, **args}})
+
+    def name_track(self, track: int, name: str) -> None:
+        """Label a track (e.g. ``rollout-1``) as workers appear; the label shows in Perfetto and Gantt plots."""
+        self.tracks[track] = name
+
     def seconds_for(self, step: int) -> dict[str, float]:
         """Seconds per stage name spent in ``step``."""
         out: dict[str, float] = defaultdict(float)
         for e in self.events:
-            if e["args"].get("step") == step:
+            if e.get("ph") == "X" and e["args"].get("step") == step:
                 out[e["name"]] += e["dur"] / 1e6
         return dict(out)
 

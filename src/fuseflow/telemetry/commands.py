@@ -1,0 +1,48 @@
+"""`fuseflow plot ...`: figures drawn from an existing run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _parse_steps(text: str | None) -> list[int] | None:
+    """``"3"`` -> [3], ``"2-4"`` -> [2, 3, 4], ``"1,5"`` -> [1, 5]; None keeps every step."""
+    if not text:
+        return None
+    steps: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            steps += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--steps {text!r} is invalid; give steps like 3, 2-4 or 1,5") from None
+    return steps
+
+
+def register(app: typer.Typer) -> None:
+    plot_app = typer.Typer(no_args_is_help=True, help="Plots drawn from a run directory.")
+    app.add_typer(plot_app, name="plot")
+
+    @plot_app.command("trace")
+    def plot_trace(run_dir: Path = typer.Argument(..., help="A run directory (or a trace.json file)."),
+                   out: Path = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/plots/trace.png)."),
+                   steps: str = typer.Option(None, "--steps", help="Only these steps, e.g. 3, 2-4 or 1,5.")) -> None:
+        """Render trace.json as a Gantt chart: one row per worker, so overlap and migration show."""
+        from rich.console import Console
+
+        from fuseflow.telemetry.gantt import busy_fraction, load_trace, plot_gantt
+
+        console = Console()
+        try:
+            trace = load_trace(run_dir)
+            chosen = _parse_steps(steps)
+            base = run_dir if run_dir.is_dir() else run_dir.parent
+            path = plot_gantt(trace, out or base / "plots" / "trace.png", chosen)
+        except (FileNotFoundError, ValueError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        last = (chosen or trace.steps())[-1]
+        busy = ", ".join(f"{k} {v:.0%}" for k, v in busy_fraction(trace, last).items())
+        console.print(f"Wrote {path} ({len(trace.tracks())} tracks); busy in step {last}: {busy}", soft_wrap=True)
