@@ -65,8 +65,13 @@ def cost_rate(task: Task, prompts: list[Prompt], responses: list[str]) -> float:
 
 def preference_eval(task: Task, prompts: list[Prompt], responses: list[str], sft_responses: list[str],
                     reward_model) -> dict[str, float]:
-    """``rm_score`` of the responses, the gold rule's mean ``gold_score`` and ``gold_win_rate`` vs the SFT model."""
-    gold = [task.score(p, r) for p, r in zip(prompts, responses, strict=True)]
-    return {"rm_score": float(reward_model.score([p.text for p in prompts], responses).mean()),
-            "gold_score": sum(g for g in gold if g == g) / max(len(gold), 1),
-            "gold_win_rate": win_rate(task, prompts, responses, sft_responses)}
+    """``rm_score`` of the responses, the gold rule's mean ``gold_score`` and ``gold_win_rate`` vs the SFT model.
+
+    A task without a reward function (``has_reward`` False) has no gold rule: only ``rm_score``.
+    """
+    out = {"rm_score": float(reward_model.score([p.text for p in prompts], responses).mean())}
+    if task.has_reward:
+        gold = [task.score(p, r) for p, r in zip(prompts, responses, strict=True)]
+        out |= {"gold_score": sum(g for g in gold if g == g) / max(len(gold), 1),
+                "gold_win_rate": win_rate(task, prompts, responses, sft_responses)}
+    return out

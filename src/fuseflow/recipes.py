@@ -3,8 +3,9 @@
 An algorithm is a row of ``RECIPES`` (an estimator from the ``fuseflow.algorithms``
 registry plus the roles it needs), never a copied trainer: ``RLTrainer.step`` reads the
 recipe and stays the same program for all eight. The glue that is not a pure tensor
-function of one estimator lives here too: token rewards with the KL penalty, DAPO's
-overlong shaping and group filter, and Safe-RLHF's Lagrange multiplier.
+function of one estimator lives here too: token rewards with the KL penalty and the
+run's KL controller, DAPO's overlong shaping and group filter, and Safe-RLHF's
+Lagrange multiplier.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseflow.algorithms import call_with_inputs, get_advantage, kl_penalty, masked_whiten
+from fuseflow.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    call_with_inputs,
+    get_advantage,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+)
 from fuseflow.data.batch import Batch
 
 
@@ -88,16 +97,19 @@ def estimate(recipe: Recipe, batch: Batch, scores: torch.Tensor, values: torch.T
     return adv, returns
 
 
-def compute_advantages(batch: Batch, recipe: Recipe, algo, lagrange: float | None = None) -> None:
+def compute_advantages(batch: Batch, recipe: Recipe, algo, lagrange: float | None = None,
+                       kl_coef: float | None = None) -> None:
     """Fill ``advantages`` (and ``returns``, ``cost_returns`` for critics) in ``batch``.
 
-    safe_ppo combines the whitened reward and cost advantages as
+    ``kl_coef`` is this step's coefficient (``kl_controller(algo).value``; default
+    ``algo.kl_coef``). safe_ppo combines the whitened reward and cost advantages as
     ``(A_r - lambda * A_c) / (1 + lambda)`` (Safe-RLHF), which keeps their scale as lambda grows.
     """
     mask = batch["response_mask"]
     kl_term = torch.zeros_like(mask)
-    if algo.kl_in_reward and algo.kl_coef > 0:
-        kl_term = -algo.kl_coef * kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
+    beta = algo.kl_coef if kl_coef is None else kl_coef
+    if algo.kl_in_reward and beta > 0:
+        kl_term = -beta * kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1") * mask
     scores = torch.nan_to_num(batch["scores"], nan=0.0)
     adv, returns = estimate(recipe, batch, scores, batch["values"] if recipe.critic else None, kl_term, algo)
     if returns is not None:
@@ -109,6 +121,25 @@ def compute_advantages(batch: Batch, recipe: Recipe, algo, lagrange: float | Non
         lam = float(lagrange or 0.0)
         adv = (adv - lam * cost_adv) / (1.0 + lam)
     batch["advantages"] = adv
+
+
+# -------------------------------------------------------------------------------- KL
+def kl_controller(algo) -> FixedKLController | AdaptiveKLController:
+    """The KL coefficient of a run: fixed at ``kl_coef``, or adaptive toward ``kl_target`` when it is set."""
+    if algo.kl_target is None:
+        return FixedKLController(algo.kl_coef)
+    return AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+
+
+def observed_kl(batch: Batch, algo) -> float:
+    """Per-token KL to the reference on this batch, by the estimator the coefficient multiplies.
+
+    That is ``k1`` when the penalty is in the reward and ``algo.kl_kind`` when it is a loss
+    term, averaged over every response token of the batch (before this step's update).
+    """
+    kind = "k1" if algo.kl_in_reward else algo.kl_kind
+    mask = batch["response_mask"]
+    return float(masked_mean(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], kind), mask))
 
 
 # ------------------------------------------------------------------------------ DAPO

@@ -31,6 +31,8 @@ from fuseflow.recipes import (
     LagrangeMultiplier,
     compute_advantages,
     informative_groups,
+    kl_controller,
+    observed_kl,
     overlong_penalty,
     recipe_for,
 )
@@ -125,6 +127,7 @@ class RLTrainer:
         self.critics = [c for c in (self.critic, self.cost_critic) if c]
         self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
                          else None)
+        self.kl_ctl = kl_controller(a)  # fixed kl_coef, or adaptive toward algorithm.kl_target
         self.start_step, self.stream = 0, PromptStream(len(self.train_prompts), cfg.seed)
         self.evals: list[dict] = []
         self.sft_responses: list[str] | None = None  # sampled held-out responses of the SFT model (win rates)
@@ -133,6 +136,7 @@ class RLTrainer:
             self.start_step, self.stream.cursor, self.evals = state["step"], state["cursor"], state["evals"]
             if self.lagrange:
                 self.lagrange.value = state["lagrange"]
+            self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
             for worker in self.trainable_workers():
                 load_optimizer(worker.optimizer, ckpt / f"optim_{worker.role}")
             self.log(f"Resumed from {ckpt} (step {self.start_step})")
@@ -172,8 +176,11 @@ class RLTrainer:
                 batch[f"{critic.prefix}values"] = critic.compute_values(batch)
         with span("advantages", step):
             lagrange = self.lagrange.update(float(batch["costs"].nanmean())) if self.lagrange else None
-            compute_advantages(batch, self.recipe, cfg.algorithm, lagrange)
+            kl_coef = self.kl_ctl.value  # this step's; the controller then moves it for the next one
+            compute_advantages(batch, self.recipe, cfg.algorithm, lagrange, kl_coef)
+            self.kl_ctl.update(observed_kl(batch, cfg.algorithm), len(batch))
         metrics |= self.rollout_metrics(batch) | ({"cost/lambda": lagrange} if self.lagrange else {})
+        metrics["kl/coef"] = kl_coef
         lr = lambda base: lr_at(step - 1, cfg.trainer.steps, base, cfg.trainer.warmup_steps,  # noqa: E731
                                 cfg.trainer.min_lr_ratio)
         if torch.isnan(batch["scores"]).any():
@@ -185,7 +192,7 @@ class RLTrainer:
                 with span(f"{critic.role}_update", step):
                     metrics |= critic.update(batch, lr(cfg.trainer.critic_lr), seed=cfg.seed + 7 * step)
             with span("actor_update", step):
-                metrics |= self.actor.update(batch, lr(cfg.trainer.lr), cfg.algorithm.kl_coef, seed=cfg.seed + step)
+                metrics |= self.actor.update(batch, lr(cfg.trainer.lr), kl_coef, seed=cfg.seed + step)
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
             self.actor.rollout.update_weights(step)  # in-process: shared weights, the version moves on
@@ -305,8 +312,9 @@ class RLTrainer:
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}
         if "rm_scores" in batch:  # learned RM and the task function (hidden gold rule) side by side
-            out |= {"reward/rm_score": float(batch["rm_scores"].mean()),
-                    "reward/fn_score": float(torch.nan_to_num(batch["fn_scores"]).mean())}
+            out["reward/rm_score"] = float(batch["rm_scores"].mean())
+            if self.task.has_reward:
+                out["reward/fn_score"] = float(torch.nan_to_num(batch["fn_scores"]).mean())
         if "costs" in batch:
             out["cost/mean"] = float(torch.nan_to_num(batch["costs"]).mean())
         if "baseline_scores" in batch:
@@ -338,7 +346,7 @@ class RLTrainer:
 
     def save(self, step: int) -> Path:
         workers = self.trainable_workers()
-        state = {"cursor": self.stream.cursor, "evals": self.evals}
+        state = {"cursor": self.stream.cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
         if self.lagrange:
             state["lagrange"] = self.lagrange.value
         path = save_checkpoint(self.run_dir, step, {w.role: w.model for w in workers},

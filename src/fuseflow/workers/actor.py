@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from fuseflow.algorithms import aggregate, aggregation_counts, kl_penalty, masked_mean, ppo_policy_loss
+from fuseflow.algorithms import (
+    aggregate,
+    aggregation_counts,
+    call_with_inputs,
+    get_policy_loss,
+    kl_penalty,
+    masked_mean,
+)
 from fuseflow.data.batch import Batch
 from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 
@@ -40,7 +47,12 @@ class ReferenceWorker:
 
 
 class ActorWorker(ReferenceWorker):
-    """The policy: generates through its rollout backend and trains with the PPO-clip loss."""
+    """The policy: generates through its rollout backend and trains with the configured policy loss.
+
+    ``algorithm.policy_loss`` names a registered loss (``get_policy_loss``): ``ppo`` clips
+    against ``old_logprobs``; ``decoupled`` clips against them as the proximal policy and
+    weights each token by the truncated ratio to the rollout's ``behavior_logprobs``.
+    """
 
     role = "actor"  # names its checkpoint files (optim_actor)
 
@@ -49,6 +61,7 @@ class ActorWorker(ReferenceWorker):
         self.model, self.rollout, self.norm_len = model, rollout, norm_len
         self.device, self.dtype, self.temperature = device, dtype, temperature
         self.algo, self.cfg, self.mbs = algo, trainer, trainer.micro_batch_size
+        self.policy_loss = get_policy_loss(algo.policy_loss)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.95))
 
@@ -58,7 +71,7 @@ class ActorWorker(ReferenceWorker):
         return sorted(samples, key=lambda s: order[s.uid])
 
     def update(self, batch: Batch, lr: float, kl_coef: float, seed: int) -> dict[str, float]:
-        """Epochs of mini-batch PPO-clip updates; gradients accumulate over micro-batches exactly.
+        """Epochs of mini-batch policy-loss updates; gradients accumulate over micro-batches exactly.
 
         The loss of each micro-batch is normalised by its mini-batch's global token and
         sequence counts, so the accumulated gradient equals the whole mini-batch's.
@@ -75,9 +88,13 @@ class ActorWorker(ReferenceWorker):
                 mask = mb["response_mask"]
                 with autocast(self.device, self.dtype):
                     logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
-                pg_loss, m = ppo_policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, algo.clip_low,
-                                             algo.clip_high, agg=algo.loss_agg, num_global_tokens=n_tok,
-                                             num_global_seqs=n_seq, norm_len=self.norm_len)
+                # old_logprobs (before this update) is PPO's anchor and the decoupled loss's proximal policy.
+                pg_loss, m = call_with_inputs(
+                    self.policy_loss, logprobs=logp, old_logprobs=mb["old_logprobs"],
+                    proximal_logprobs=mb["old_logprobs"], behavior_logprobs=mb["behavior_logprobs"],
+                    advantages=mb["advantages"], mask=mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                    is_cap=algo.is_cap, agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
+                    norm_len=self.norm_len)
                 loss = pg_loss
                 if not algo.kl_in_reward and kl_coef > 0:
                     kl = aggregate(kl_penalty(logp, mb["ref_logprobs"], algo.kl_kind), mask, algo.loss_agg,
@@ -87,7 +104,8 @@ class ActorWorker(ReferenceWorker):
                 share = float(mask.sum() / n_tok)  # this micro-batch's share of the mini-batch metrics
                 for k, v in {"actor/pg_loss": pg_loss, "actor/loss": loss, "actor/clip_frac": m["clip_frac"],
                              "actor/approx_kl": m["approx_kl"],
-                             "actor/entropy": masked_mean(entropy.detach(), mask)}.items():
+                             "actor/entropy": masked_mean(entropy.detach(), mask),
+                             **{f"actor/{k}": m[k] for k in ("is_weight_mean", "is_cap_frac") if k in m}}.items():
                     rec[k] = rec.get(k, 0.0) + float(v.detach()) * (1.0 if k.endswith("loss") else share)
             rec["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "actor")
             records.append(rec)

@@ -15,7 +15,8 @@ class RewardOutput:
 
     scores:    what the advantages see: model_weight * rm_scores + fn_weight * fn_scores (NaN if non-finite)
     correct:   1 where the task function's reward reaches the task's success threshold
-    fn_scores: the task's reward function (the hidden gold rule on the ``pref`` task)
+    fn_scores: the task's reward function (the hidden gold rule on the ``pref`` task); NaN
+               when the task has none (a file task scored by the reward model alone)
     rm_scores: the learned reward model's standardised score, or None without one
     costs:     the task's cost (safe_ppo), or None when the task has none
     """
@@ -35,6 +36,10 @@ class RewardWorker:
     """
 
     def __init__(self, task: Task, reward_model=None, fn_weight: float = 1.0, model_weight: float = 1.0):
+        if not task.has_reward and (fn_weight or reward_model is None):
+            raise ValueError(f"task {task.name!r} has no reward function, so the reward must come from a reward "
+                             f"model alone (reward.model=DIR, reward.fn_weight=0; got fn_weight={fn_weight}, "
+                             f"reward model {'set' if reward_model is not None else 'not set'})")
         self.task, self.model = task, reward_model
         self.fn_weight, self.model_weight = fn_weight, model_weight
 
