@@ -12,7 +12,7 @@ import hashlib
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -210,6 +210,41 @@ class RewardModelTrainConfig(_Section):
     eval_every: int = Field(100, gt=0)
 
 
+class RayConfig(_Section):
+    # "auto" or "HOST:PORT" joins a cluster started with `ray start --head`; None starts a local
+    # one for the run (and shuts it down after).
+    address: str | None = None
+    num_cpus: int | None = Field(None, gt=0)  # local cluster's CPU slots; default: enough for the pools
+    start_timeout_s: float = Field(120.0, gt=0)  # joining, placing the pools, starting workers and groups
+    collective_timeout_s: float = Field(300.0, gt=0)  # one collective (all-reduce, FSDP gather) before it fails
+
+
+class PoolConfig(_Section):
+    """A resource pool: ``nodes x workers_per_node`` worker processes (see fuseflow.controller.placement)."""
+
+    nodes: int = Field(1, ge=1)
+    workers_per_node: int | None = Field(None, ge=1)  # default: the largest dp of the roles placed on it
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+
+
+class PlacementConfig(_Section):
+    """Role -> pool name. Roles on one pool share its processes (colocated); other pools run beside it."""
+
+    actor: str = "main"  # the policy and its rollout engine
+    reference: str = "main"
+    critic: str = "main"  # also safe_ppo's cost critic
+    reward: str = "main"  # the reward function and reward model (one worker)
+
+
+class ActorScale(_Section):
+    dp: int = Field(1, ge=1)  # data-parallel workers (FSDP shards over them); >1 needs backend=ray
+
+
+class RoleScale(_Section):
+    dp: int | None = Field(None, ge=1)  # None: the same as actor.dp
+
+
 class Config(_Section):
     preset: str = "default"
     seed: int = 0
@@ -224,6 +259,45 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
     rm: RewardModelTrainConfig = RewardModelTrainConfig()
+    # Where the roles run (see README "Scaling out"). Example, split placement on Ray:
+    #   backend: ray
+    #   actor: {dp: 2}
+    #   critic: {dp: 2}
+    #   placement: {critic: critic}        # the critic gets a pool of its own
+    #   pools: {main: {cpus_per_worker: 1}, critic: {workers_per_node: 2}}
+    backend: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    placement: PlacementConfig = PlacementConfig()
+    actor: ActorScale = ActorScale()
+    critic: RoleScale = RoleScale()
+    reference: RoleScale = RoleScale()
+
+    def role_dp(self) -> dict[str, int]:
+        """Data-parallel size of every role (reward runs on one worker)."""
+        a = self.actor.dp
+        return {"actor": a, "reference": self.reference.dp or a, "critic": self.critic.dp or a, "reward": 1}
+
+    def resolved_placement(self):
+        """The pools and role placement this config asks for (``fuseflow.controller.placement.Placement``)."""
+        from fuseflow.controller.placement import resolve_placement
+
+        return resolve_placement(self.pools, self.placement.model_dump(), self.role_dp())
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> Config:
+        dp = self.role_dp()
+        if self.backend == "local":
+            wide = [f"{r}.dp={k}" for r, k in dp.items() if k > 1]
+            if wide:
+                raise ValueError(f"{wide[0]} needs backend=ray: the local backend runs every role once, in this process")
+            return self
+        for role in ("actor", "critic"):
+            if self.trainer.mini_batch_size % dp[role]:
+                raise ValueError(f"{role}.dp={dp[role]} must divide trainer.mini_batch_size={self.trainer.mini_batch_size} "
+                                 "(every rank takes an equal share of each mini-batch)")
+        self.resolved_placement()
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> Config:
@@ -324,9 +398,13 @@ def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
 
 def _lookup_model(loc: tuple) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
-    for part in loc:
-        field = model.model_fields.get(str(part))
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
         ann = getattr(field, "annotation", None)
+        if get_origin(ann) is dict and parts:  # e.g. pools.<name>: the next part is a key, not a field
+            ann = get_args(ann)[1]
+            parts.pop(0)
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         model = ann
