@@ -1,5 +1,6 @@
 """Short real runs per algorithm: each one's reward rises (safe_ppo: cost driven under its limit), plus
-exact resume for the algorithms that carry extra state (cost critic and multiplier; dynamic sampling).
+exact resume for the algorithms that carry extra state (cost critic and multiplier; dynamic sampling;
+the adaptive KL coefficient).
 
 The fastest runs are unmarked for CI; the rest are `slow` (run them with `make test-slow`). The SFT
 settings match tests/test_learning.py, so one session trains that warm-start model once.
@@ -31,16 +32,20 @@ def _mean(rows, key, part):
     return sum(vals) / len(vals)
 
 
-@pytest.mark.parametrize("name", [
-    "rloo",
-    "remax",
-    "dapo",
-    pytest.param("reinforce_pp", marks=pytest.mark.slow),
-    pytest.param("dr_grpo", marks=pytest.mark.slow),
-    pytest.param("ppo", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name, extra", [
+    ("rloo", []),
+    ("remax", []),
+    ("dapo", []),
+    pytest.param("reinforce_pp", [], marks=pytest.mark.slow),
+    pytest.param("dr_grpo", [], marks=pytest.mark.slow),
+    pytest.param("ppo", [], marks=pytest.mark.slow),
+    # The decoupled loss on a synchronous run: behaviour == proximal up to rounding, so it must learn like ppo.
+    pytest.param("grpo", ["algorithm.policy_loss=decoupled"], marks=pytest.mark.slow, id="grpo-decoupled"),
+    pytest.param("ppo", ["algorithm.kl_target=0.002", "algorithm.kl_horizon=512"], marks=pytest.mark.slow,
+                 id="ppo-adaptive-kl"),
 ])
-def test_algorithm_raises_reward(tmp_path, sft_cache, name):
-    summary, rows = _run(tmp_path, sft_cache, f"algorithm.name={name}")
+def test_algorithm_raises_reward(tmp_path, sft_cache, name, extra):
+    summary, rows = _run(tmp_path, sft_cache, f"algorithm.name={name}", *extra)
     assert summary["algorithm"] == name
     # Greedy held-out accuracy of the SFT start is ~0.54 here; 12 small steps lift it past ~0.85.
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.2, summary["evals"]
@@ -50,6 +55,10 @@ def test_algorithm_raises_reward(tmp_path, sft_cache, name):
         assert all(0.0 <= r["reward/greedy_baseline"] <= 1.0 for r in rows)
     if name == "ppo":
         assert all("critic/loss" in r for r in rows)
+    if "algorithm.policy_loss=decoupled" in extra:
+        assert all(abs(r["actor/is_weight_mean"] - 1.0) < 1e-3 for r in rows)
+    if any(x.startswith("algorithm.kl_target") for x in extra):
+        assert len({r["kl/coef"] for r in rows}) == len(rows)  # the coefficient moved every step
     if name == "dapo":
         # Dynamic sampling drew extra prompts to replace all-equal groups, and the batch stayed full.
         assert max(r["dapo/prompts_drawn"] for r in rows) > 16 and sum(r["dapo/groups_dropped"] for r in rows) > 0
@@ -86,8 +95,9 @@ def _comparable(rows):
 @pytest.mark.parametrize("extra", [
     ["task.name=safe_arith", "algorithm.name=safe_ppo", "algorithm.lambda_lr=2.0"],
     ["algorithm.name=dapo", "algorithm.overlong_buffer=8"],
+    ["algorithm.kl_target=0.0005", "algorithm.kl_horizon=32"],
 ])
-def test_resume_restores_multiplier_cost_critic_and_draw_cursor(tmp_path, sft_cache, extra):
+def test_resume_restores_multiplier_cost_critic_draw_cursor_and_kl_coef(tmp_path, sft_cache, extra):
     cfg = load_config("default", TINY + [f"cache_dir={sft_cache}", *extra])
     quiet = Console(quiet=True)
     train(cfg, tmp_path / "full", console=quiet)
@@ -98,8 +108,18 @@ def test_resume_restores_multiplier_cost_critic_and_draw_cursor(tmp_path, sft_ca
     if "algorithm.name=safe_ppo" in extra:
         assert len({r["cost/lambda"] for r in full}) > 1  # the multiplier moved, so resuming it mattered
         assert (tmp_path / "cut/checkpoints/step_4/cost_critic/model.safetensors").is_file()
-    else:
+    elif "algorithm.name=dapo" in extra:
         assert any(r["dapo/prompts_drawn"] > 4 for r in full)
+    else:
+        # grpo's KL is a k3 loss term, so the controller sees the logged kl/ref_k3 over 16 samples a step:
+        # beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * 16 / 32), toward the target each step.
+        coefs = [r["kl/coef"] for r in full]
+        assert coefs[0] == 0.01
+        for r, nxt in zip(full, coefs[1:], strict=False):
+            err = min(max(r["kl/ref_k3"] / 0.0005 - 1.0, -0.2), 0.2)
+            assert nxt == pytest.approx(r["kl/coef"] * (1 + err * 16 / 32), rel=1e-12)
+            assert (nxt > r["kl/coef"]) == (r["kl/ref_k3"] > 0.0005)
+        assert len(set(coefs)) == len(coefs)
 
 
 def test_dynamic_sampling_tops_up_a_short_batch_when_out_of_draws(tmp_path, sft_cache):

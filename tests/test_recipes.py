@@ -227,6 +227,13 @@ def test_algorithm_defaults_apply_only_where_not_set():
     (["algorithm.overlong_buffer=16"], "algorithm.overlong_buffer=16 must be smaller than model.max_response_len=16"),
     (["task.cost_fn=x.py:c"], "task.cost_fn is read by task.name=file only"),
     (["algorithm.lambda_lr=-1"], "algorithm.lambda_lr: invalid value -1"),
+    (["algorithm.name=dapo", "algorithm.kl_target=0.1"], "algorithm.kl_target=0.1 adapts algorithm.kl_coef, which is 0"),
+    (["algorithm.kl_target=0"], "algorithm.kl_target: invalid value 0"),
+    (["algorithm.policy_loss=trpo"], "algorithm.policy_loss: invalid value 'trpo'"),
+    (["algorithm.is_cap=0"], "algorithm.is_cap: invalid value 0"),
+    (["task.name=file", "task.path=d.jsonl"], "task.name=file needs task.reward_fn=module:function, or reward.model"),
+    (["task.name=file", "task.path=d.jsonl", "reward.model=rm", "reward.fn_weight=0.5"],
+     "reward.fn_weight=0.5 weighs the task's reward function, but task.reward_fn is not set"),
 ])
 def test_inconsistent_algorithm_settings_are_one_line_errors(overrides, expect):
     with pytest.raises(ConfigError) as info:

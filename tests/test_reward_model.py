@@ -147,3 +147,28 @@ def test_ppo_on_the_learned_reward_model_beats_the_sft_model_by_the_gold_rule(tm
     assert summary["rm_score_after"] > summary["rm_score_before"] + 0.5, summary["evals"]
     assert summary["gold_win_rate_after"] > 0.7, summary["evals"]
     assert summary["gold_score_after"] > summary["gold_score_before"] + 1.0, summary["evals"]
+
+
+def test_file_task_run_with_a_reward_model_and_no_reward_function(tmp_path, sft_cache):
+    from rich.console import Console
+
+    tok = build_char_tokenizer()
+    model = ValueModel.from_config(ModelConfig.preset("tiny", vocab_size=len(tok)), seed=1)
+    torch.nn.init.normal_(model.value_head.weight, std=0.5)
+    RewardModel(model, tok).save(tmp_path / "rm", {"score_mean": 0.0, "score_std": 1.0})
+    data = _write(tmp_path / "d.jsonl", [{"prompt": f"q{i}=", "response": str(i % 10)} for i in range(60)])
+    tiny = ["sft.max_steps=4", "sft.eval_every=2", "sft.eval_size=8", "trainer.steps=2", "trainer.prompts_per_step=4",
+            "algorithm.group_size=4", "trainer.mini_batch_size=8", "trainer.micro_batch_size=4",
+            "trainer.eval_size=8", "trainer.eval_every=2", "trainer.save_every=2"]
+    base = ["task.name=file", f"task.path={data}", f"cache_dir={sft_cache}", *tiny]
+    result = runner.invoke(app, ["train", "--output", str(tmp_path / "bad"), *base])
+    assert result.exit_code == 2 and "needs task.reward_fn=module:function, or reward.model=DIR" in result.output
+    train(load_config("default", [*base, f"reward.model={tmp_path / 'rm'}"]), tmp_path / "run",
+          console=Console(quiet=True))
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    # The reward is the reward model's score alone; with no task function there is nothing else to log.
+    assert all(r["reward/mean"] == pytest.approx(r["reward/rm_score"]) and "reward/fn_score" not in r for r in rows)
+    assert len({r["reward/mean"] for r in rows}) > 1 and all(r["train/skipped_update"] == 0.0 for r in rows)
+    evals = json.loads((tmp_path / "run/summary.json").read_text())["evals"]
+    assert "rm_score" in evals[-1] and "gold_win_rate" not in evals[-1]
