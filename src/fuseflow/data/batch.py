@@ -4,20 +4,52 @@ A batch is a dict of tensors sharing the batch dimension plus per-sample metadat
 lists. Sequences use one layout everywhere (as verl does): the prompt left-padded to
 ``Tp`` tokens followed by the response right-padded to ``Tr`` tokens, so response
 token ``j`` sits at column ``Tp + j`` and is predicted by the logits at ``Tp + j - 1``.
+Every ``(B, Tr)`` field below holds 0 (or anything: it is masked) past a response's
+end; only positions where ``response_mask`` is 1 count.
 
-Tensor fields (B = samples, Tp = prompt width, Tr = response width):
-    input_ids          (B, Tp+Tr) long   prompt (left-padded) + response (right-padded)
-    attention_mask     (B, Tp+Tr) long   1 on real tokens
-    response_mask      (B, Tr)    float  1 on response tokens that count (incl. eos)
-    behavior_logprobs  (B, Tr)    float  log-prob of each sampled token under the sampler
-    old_logprobs       (B, Tr)    float  same tokens under the actor before this update
-    ref_logprobs       (B, Tr)    float  same tokens under the frozen reference
-    values             (B, Tr)    float  critic values (PPO)
-    scores             (B,)       float  sequence reward from the task
-    token_rewards      (B, Tr)    float  per-token reward (score on the last token, KL penalty)
-    advantages         (B, Tr)    float
-    returns            (B, Tr)    float  value targets (PPO)
-Metadata lists (length B): uid, group_id, prompt, response, finish_reason, policy_version.
+Tensor fields, in the order one RL step (``RLTrainer.step``) fills them
+(B = samples, Tp = prompt width, Tr = response width, all float32 unless said):
+
+  from the rollout (``workers.common.samples_to_batch``):
+    input_ids          (B, Tp+Tr) long  prompt token ids (left-padded) then response ids (right-padded)
+    attention_mask     (B, Tp+Tr) long  1 on real tokens of prompt and response, 0 on padding
+    response_mask      (B, Tr)          1 on response tokens that count (the eos included), 0 on padding
+    behavior_logprobs  (B, Tr)          log-prob of each sampled token under the policy that sampled it
+                                        (the rollout backend at the rollout temperature); the
+                                        behaviour policy of ``decoupled_policy_loss``
+  from the reward worker (``workers.reward.RewardOutput``), per sample:
+    scores             (B,)             the reward the advantages see: ``reward.model_weight * rm_scores +
+                                        reward.fn_weight * fn_scores`` plus DAPO's overlong shaping; NaN when
+                                        the task function returned a non-finite value (the update is skipped)
+    correct            (B,)             1.0 where the task function's reward reaches its success threshold
+    fn_scores          (B,)             the task's reward function (the hidden gold rule on ``pref``); NaN
+                                        when the task has none (a file task scored by a reward model alone)
+    rm_scores          (B,)             the learned reward model's standardised score; only with reward.model
+    costs              (B,)             the task's cost, the constraint signal of safe_ppo; only when the
+                                        task has a cost
+    baseline_scores    (B,)             remax only: the score of the greedy response to the same prompt,
+                                        shared by every sample of the group
+  from inference, before any update of this step:
+    old_logprobs       (B, Tr)          log-probs of the response tokens under the actor before this
+                                        update: PPO's anchor and the decoupled loss's proximal policy
+    ref_logprobs       (B, Tr)          the same tokens under the frozen reference (SFT) model: the KL anchor
+    values             (B, Tr)          reward critic's value of the state before each token (ppo, safe_ppo)
+    cost_values        (B, Tr)          safe_ppo's cost critic, the same for the cost
+  from the advantage stage (``recipes.compute_advantages``):
+    advantages         (B, Tr)          per-token advantage the policy loss weights (sequence-level estimators
+                                        broadcast theirs over the response; 0 where response_mask is 0)
+    returns            (B, Tr)          GAE value targets for the reward critic (ppo, safe_ppo)
+    cost_returns       (B, Tr)          GAE value targets for the cost critic (safe_ppo)
+
+Metadata lists (length B):
+    uid             int     unique id of the sample within its step
+    group_id        int     the prompt it answers; samples of one prompt share it (GRPO/RLOO groups)
+    prompt          str     prompt text
+    response        str     decoded response text (no eos)
+    finish_reason   str     "stop" (eos or a stop token) or "length" (hit model.max_response_len)
+    policy_version  int     weight version of the policy that generated it (the step it was synced at)
+    task_prompt     Prompt  the task's ``Prompt`` object (reference answer, task metadata), set by the
+                            trainer for the reward worker and the remax baseline
 """
 
 from __future__ import annotations
@@ -30,6 +62,12 @@ import torch
 
 @dataclass
 class Batch:
+    """Tensors sharing dimension 0 (``tensors``) plus per-sample lists (``meta``).
+
+    Every field the trainer stores, with its shape and meaning, is listed in this
+    module's docstring. ``batch["advantages"]`` reads a tensor, ``batch.meta["uid"]`` a list.
+    """
+
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, list] = field(default_factory=dict)
 
