@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from .arith import ArithTask, SafeArithTask
-from .base import Prompt, RewardError, Task
+from .base import GeneratedTask, Prompt, RewardError, Task
 from .pref import PrefTask
 from .sort import SortTask
 from .user import DataError, FileTask, load_function, load_rows, read_rows
 
-__all__ = ["ArithTask", "SafeArithTask", "SortTask", "PrefTask", "FileTask", "Prompt", "Task", "RewardError",
+__all__ = ["ArithTask", "SafeArithTask", "SortTask", "PrefTask", "FileTask", "GeneratedTask", "Prompt", "Task", "RewardError",
            "DataError", "load_function", "load_rows", "read_rows", "make_task"]
 
 

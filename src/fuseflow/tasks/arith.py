@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from .base import Prompt, Task
+from .base import GeneratedTask, Prompt
 
 
 def carryless_sum(a: int, b: int) -> int:
@@ -31,27 +31,21 @@ def _held_out(a: int, b: int) -> bool:
     return zlib.crc32(f"{a}+{b}".encode()) % 10 == 0
 
 
-class ArithTask(Task):
+class ArithTask(GeneratedTask):
     name = "arith"
 
     def __init__(self, seed: int = 1234, train_size: int = 20000, eval_size: int = 500,
                  max_digits: int = 3, demo_error_rate: float = 0.6):
-        self.seed, self.max_digits, self.demo_error_rate = seed, max_digits, demo_error_rate
-        self._train = self._make(train_size, held_out=False, salt=0)
-        self._eval = self._make(eval_size, held_out=True, salt=1)
+        self.max_digits, self.demo_error_rate = max_digits, demo_error_rate
+        super().__init__(seed, train_size, eval_size)
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(1, self.max_digits)
         return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
-    def _make(self, n: int, held_out: bool, salt: int) -> list[Prompt]:
-        rng = random.Random(self.seed * 1000 + salt)
-        out: list[Prompt] = []
-        while len(out) < n:
-            a, b = self._operand(rng), self._operand(rng)
-            if _held_out(a, b) == held_out:
-                out.append(Prompt(self.question(a, b), self.answer(a + b), {"a": a, "b": b}))
-        return out
+    def draw(self, rng: random.Random) -> tuple[Prompt, bool]:
+        a, b = self._operand(rng), self._operand(rng)
+        return Prompt(self.question(a, b), self.answer(a + b), {"a": a, "b": b}), _held_out(a, b)
 
     def question(self, a: int, b: int) -> str:
         return f"{a:0{self.max_digits}d}+{b:0{self.max_digits}d}="

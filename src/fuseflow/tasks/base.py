@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -76,6 +77,33 @@ class Task(ABC):
     def is_correct(self, prompt: Prompt, response: str) -> bool:
         value = self.score(prompt, response)
         return math.isfinite(value) and value >= self.success_threshold
+
+
+class GeneratedTask(Task):
+    """A built-in task whose prompts come from a seeded generator, split into train and held-out.
+
+    Subclasses set their own attributes, call ``super().__init__(seed, train_size,
+    eval_size)`` and define ``draw``. Each split gets its own seeded stream, so the
+    prompts depend only on the seed and the sizes.
+    """
+
+    def __init__(self, seed: int, train_size: int, eval_size: int):
+        self.seed = seed
+        self._train = self._make(train_size, held_out=False, salt=0)
+        self._eval = self._make(eval_size, held_out=True, salt=1)
+
+    @abstractmethod
+    def draw(self, rng: random.Random) -> tuple[Prompt, bool | None]:
+        """One random prompt and its split: True held-out, False train, None both (too few to split)."""
+
+    def _make(self, n: int, held_out: bool, salt: int) -> list[Prompt]:
+        rng = random.Random(self.seed * 1000 + salt)
+        out: list[Prompt] = []
+        while len(out) < n:
+            prompt, split = self.draw(rng)
+            if split is None or split == held_out:
+                out.append(prompt)
+        return out
 
 
 class RewardError(RuntimeError):

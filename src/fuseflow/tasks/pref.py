@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from .base import Prompt, Task
+from .base import GeneratedTask, Prompt
 
 LETTERS = "abcdefghijklmnop"
 HALVES = (LETTERS[:8], LETTERS[8:])
@@ -51,24 +51,17 @@ def sample_response(rng: random.Random, min_len: int = 2, max_len: int = 8) -> s
     return "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
 
 
-class PrefTask(Task):
+class PrefTask(GeneratedTask):
     name = "pref"
     success_threshold = 4.0  # e.g. four distinct topic letters and nothing else (the maximum is 8)
 
     def __init__(self, seed: int = 1234, train_size: int = 20000, eval_size: int = 500):
-        self.seed = seed
-        self._train = self._make(train_size, held_out=False, salt=0)
-        self._eval = self._make(eval_size, held_out=True, salt=1)
+        super().__init__(seed, train_size, eval_size)
 
-    def _make(self, n: int, held_out: bool, salt: int) -> list[Prompt]:
-        rng = random.Random(self.seed * 1000 + salt)
-        out: list[Prompt] = []
-        while len(out) < n:
-            word = "".join(rng.sample(HALVES[rng.random() < 0.5], WORD_LEN))
-            # A hash of the word decides the split, so no held-out prompt is trained on.
-            if (zlib.crc32(word.encode()) % 10 == 0) == held_out:
-                out.append(Prompt(f"{word}:", None, {"word": word}))
-        return out
+    def draw(self, rng: random.Random) -> tuple[Prompt, bool]:
+        word = "".join(rng.sample(HALVES[rng.random() < 0.5], WORD_LEN))
+        # A hash of the word decides the split, so no held-out prompt is trained on.
+        return Prompt(f"{word}:", None, {"word": word}), zlib.crc32(word.encode()) % 10 == 0
 
     def reward(self, prompt: Prompt, response: str) -> float:
         return gold_score(prompt.meta["word"], response.strip())

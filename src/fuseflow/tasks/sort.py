@@ -12,33 +12,26 @@ from __future__ import annotations
 import math
 import random
 
-from .base import Prompt, Task
+from .base import GeneratedTask, Prompt
 
 
 def long_tail_length(rng: random.Random, max_items: int) -> int:
     return max(1, min(max_items, round(math.exp(rng.gauss(math.log(3.0), 0.9)))))
 
 
-class SortTask(Task):
+class SortTask(GeneratedTask):
     name = "sort"
 
     def __init__(self, seed: int = 1234, train_size: int = 20000, eval_size: int = 500, max_items: int = 32):
-        self.seed, self.max_items = seed, max_items
-        self._train = self._make(train_size, held_out=False, salt=0)
-        self._eval = self._make(eval_size, held_out=True, salt=1)
+        self.max_items = max_items
+        super().__init__(seed, train_size, eval_size)
 
-    def _make(self, n: int, held_out: bool, salt: int) -> list[Prompt]:
-        rng = random.Random(self.seed * 1000 + salt)
-        out: list[Prompt] = []
-        while len(out) < n:
-            items = [rng.randint(0, 9) for _ in range(long_tail_length(rng, self.max_items))]
-            text = ",".join(map(str, items))
-            # Lists of 4+ items are split by a hash so no held-out list is trained on; shorter
-            # lists are too few to split and appear in both (the tail is what generalises).
-            if len(items) >= 4 and (hash_items(items) % 10 == 0) != held_out:
-                continue
-            out.append(Prompt(f"sort {text}:", ",".join(map(str, sorted(items))), {"items": items}))
-        return out
+    def draw(self, rng: random.Random) -> tuple[Prompt, bool | None]:
+        items = [rng.randint(0, 9) for _ in range(long_tail_length(rng, self.max_items))]
+        prompt = Prompt(f"sort {','.join(map(str, items))}:", ",".join(map(str, sorted(items))), {"items": items})
+        # Lists of 4+ items are split by a hash so no held-out list is trained on; shorter
+        # lists are too few to split and appear in both (the tail is what generalises).
+        return prompt, (hash_items(items) % 10 == 0) if len(items) >= 4 else None
 
     def reward(self, prompt: Prompt, response: str) -> float:
         want = prompt.answer.split(",")
