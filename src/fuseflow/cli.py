@@ -164,6 +164,7 @@ def presets() -> None:
 
 def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
+    from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
     from fuseflow.sim.commands import register as register_sim
@@ -173,6 +174,7 @@ def _register_plugins() -> None:
     register_plot(app)
     register_pipeline(bench_app)
     register_rollout(bench_app)
+    register_trl(bench_app)
 
 
 _register_plugins()

@@ -1,0 +1,219 @@
+"""`fuseflow bench trl`: GRPO on the long-tailed `sort` task in fuseflow and in TRL's `GRPOTrainer`.
+
+Both sides start from the same SFT warm-start weights (our checkpoint directory loads in
+transformers as ``LlamaForCausalLM``, with our char tokenizer as its HF tokenizer), see the
+same prompts in the same order, and run the same GRPO step: ``prompts_per_step`` prompts x
+``group_size`` samples, ``max_response_len`` new tokens at most, temperature 1.0, mini-batches
+of ``mini_batch_size`` (so ``samples / mini_batch_size`` optimizer steps per RL step, each
+needing the old log-probs), KL to the reference as a loss term with the same coefficient,
+clip 0.2, CPU fp32, the same torch thread count.
+
+Fair to TRL: its defaults everywhere except what must match (batch shape, lengths, sampling,
+lr, KL coefficient), plus fp32 instead of its bf16 default (the comparison is CPU fp32),
+gradient checkpointing off (its default is on; it trades compute for memory a model this
+small does not need, and fuseflow does not use it), and logging, saving and evaluation off,
+as they are in fuseflow's timed steps. Its generation is its default path (transformers
+`generate` on the whole generation batch); TRL's vLLM path needs a GPU.
+
+The two run interleaved in one process: a TRL callback runs one fuseflow step at each of
+TRL's RL-step boundaries, and each side is timed only over its own steps, so bursts of load
+from other processes hit both alike. The first step of each side is a warm-up and is left
+out of the headline figures (it is reported). Wall-clock and process-CPU seconds are both
+recorded; with one torch thread on a shared CPU, CPU time is the steadier measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fuseflow.config import Config, load_config
+
+# The benchmark's own settings on top of the `sort` preset. The SFT warm start is shortened
+# (300 steps, cached after the first run) because only a policy that ends its responses
+# where the task does is needed, so that lengths follow the task's long tail.
+BENCH_OVERRIDES = ("sft.max_steps=300", "sft.eval_every=100", "sft.eval_size=100", "rollout.backend=engine")
+# A seconds-scale configuration for tests.
+QUICK_OVERRIDES = ("trainer.prompts_per_step=4", "algorithm.group_size=4", "trainer.mini_batch_size=8",
+                   "trainer.micro_batch_size=8", "model.max_response_len=24", "task.max_items=6",
+                   "sft.max_steps=40", "sft.eval_every=40", "sft.eval_size=16", "rollout.backend=engine")
+
+
+def bench_config(overrides: list[str] | None = None, quick: bool = False, steps: int = 4) -> Config:
+    """The `sort` preset with the benchmark's settings, then the user's overrides."""
+    base = list(QUICK_OVERRIDES if quick else BENCH_OVERRIDES)
+    return load_config("sort", [*base, f"trainer.steps={steps}", *(overrides or [])])
+
+
+class _Timer:
+    """Wall and process-CPU seconds of consecutive steps."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._w = self._c = 0.0
+
+    def start(self) -> None:
+        self._w, self._c = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.wall.append(time.perf_counter() - self._w)
+        self.cpu.append(time.process_time() - self._c)
+
+
+def _summary(timer: _Timer, samples_per_step: int, tokens: list[float], warmup: int) -> dict[str, Any]:
+    """Headline figures over the steps after the warm-up (all steps when there are no others)."""
+    w = warmup if len(timer.wall) > warmup else 0
+    wall, cpu, tok = timer.wall[w:], timer.cpu[w:], tokens[w:]
+    n = samples_per_step * len(wall)
+    return {"samples_per_second": n / sum(wall), "samples_per_cpu_second": n / sum(cpu),
+            "tokens_per_second": sum(tok) / sum(wall), "step_seconds_median": statistics.median(wall),
+            "step_seconds": [round(x, 3) for x in timer.wall], "step_cpu_seconds": [round(x, 3) for x in timer.cpu],
+            "response_tokens_per_step": [round(x, 1) for x in tokens], "timed_steps": len(wall),
+            "response_length_mean": sum(tok) / n}
+
+
+def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | None = None, log=print) -> dict:
+    """Run GRPO for ``cfg.trainer.steps`` steps in fuseflow and in TRL, interleaved; return the figures.
+
+    ``speedup_vs_trl`` is fuseflow samples/s over TRL samples/s (wall clock, after warm-up).
+    """
+    try:
+        import datasets
+        import trl
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    except ImportError as exc:
+        raise ImportError(f"fuseflow bench trl needs TRL: pip install 'fuseflow[bench]' ({exc})") from exc
+    from fuseflow.trainer import PromptStream, RLTrainer
+
+    if cfg.algorithm.name != "grpo":
+        raise ValueError(f"algorithm.name must be grpo for the TRL comparison, got {cfg.algorithm.name}")
+    if cfg.trainer.steps < 1:
+        raise ValueError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
+    torch.set_num_threads(threads)
+    t, a, steps = cfg.trainer, cfg.algorithm, cfg.trainer.steps
+    samples_per_step = t.prompts_per_step * a.group_size
+    tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="fuseflow-bench-trl-"))
+    log("fuseflow: setting up (SFT warm start, cached after the first run)")
+    ff = RLTrainer(cfg, tmp / "fuseflow", log=log)
+    sft_dir = tmp / "fuseflow" / "reference"  # the SFT weights + tokenizer, an HF directory
+
+    # TRL gets the prompts fuseflow will draw, in the same order (and does not shuffle them).
+    order = PromptStream(len(ff.train_prompts), cfg.seed).take(steps * t.prompts_per_step)
+    by_text = {ff.train_prompts[i].text: ff.train_prompts[i] for i in order}
+    data = datasets.Dataset.from_dict({"prompt": [ff.train_prompts[i].text for i in order]})
+
+    trl_tokens: list[float] = []
+
+    def sort_reward(prompts, completions, completion_ids, **_):
+        # Called once per generation batch (one RL step); completion ids include the eos, as fuseflow counts them.
+        trl_tokens.append(float(sum(len(c) for c in completion_ids)))
+        return [ff.task.score(by_text[p], c) for p, c in zip(prompts, completions, strict=True)]
+
+    tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
+    probe = ff.train_prompts[order[0]].text
+    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        raise ValueError("the exported tokenizer adds special tokens to prompts; TRL would see other inputs")
+    model = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
+    mini = t.mini_batch_size
+    # transformers 5 renamed gradient_checkpointing (TRL's default: on) to activation_checkpointing.
+    names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    no_ckpt = {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": False}
+    args = trl.GRPOConfig(
+        output_dir=str(tmp / "trl"), seed=cfg.seed, use_cpu=True, bf16=False, fp16=False, **no_ckpt, report_to="none", logging_strategy="no", save_strategy="no",
+        eval_strategy="no", disable_tqdm=True, shuffle_dataset=False,
+        per_device_train_batch_size=t.micro_batch_size, gradient_accumulation_steps=mini // t.micro_batch_size,
+        steps_per_generation=(samples_per_step // mini) * (mini // t.micro_batch_size),
+        num_generations=a.group_size, max_completion_length=cfg.model.max_response_len,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        learning_rate=t.lr, beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high,
+        max_grad_norm=t.grad_clip, max_steps=steps * (samples_per_step // mini), num_iterations=t.epochs,
+    )
+    ff_timer, trl_timer = _Timer(), _Timer()
+    ff_tokens: list[float] = []
+    optim_per_rl_step = samples_per_step // mini
+
+    class Interleave(TrainerCallback):
+        """Times TRL per RL step and runs one fuseflow step at each boundary (outside TRL's timing)."""
+
+        def on_train_begin(self, *_, **__):
+            trl_timer.start()
+
+        def on_step_end(self, _args, state, *_, **__):
+            if state.global_step % optim_per_rl_step:
+                return
+            trl_timer.stop()
+            rl_step = state.global_step // optim_per_rl_step
+            ff_timer.start()
+            m = ff.step(rl_step)
+            ff_timer.stop()
+            ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
+            log(f"step {rl_step}: TRL {trl_timer.wall[-1]:.1f}s, fuseflow {ff_timer.wall[-1]:.1f}s "
+                f"(reward {m['reward/mean']:.3f})")
+            trl_timer.start()
+
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=sort_reward, args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[Interleave()])
+    log("TRL GRPOTrainer: training (fuseflow steps interleaved)")
+    trainer.train()
+    ff.close()
+    if len(trl_tokens) != steps or len(ff_tokens) != steps:
+        raise RuntimeError(f"expected {steps} RL steps per side, got TRL {len(trl_tokens)}, fuseflow {len(ff_tokens)}")
+    ours, theirs = _summary(ff_timer, samples_per_step, ff_tokens, 1), _summary(trl_timer, samples_per_step,
+                                                                                  trl_tokens, 1)
+    return {
+        "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
+        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "trl_version": trl.__version__,
+        "settings": {"task": cfg.task.name, "model": cfg.model.size, "steps": steps, "warmup_steps_excluded": 1,
+                     "prompts_per_step": t.prompts_per_step, "group_size": a.group_size,
+                     "samples_per_step": samples_per_step, "mini_batch_size": mini,
+                     "micro_batch_size": t.micro_batch_size, "max_prompt_len": cfg.model.max_prompt_len,
+                     "max_response_len": cfg.model.max_response_len, "temperature": cfg.rollout.temperature,
+                     "kl_coef": a.kl_coef, "lr": t.lr, "fuseflow_mode": "sequential",
+                     "fuseflow_rollout_backend": cfg.rollout.backend, "sft_steps_max": cfg.sft.max_steps,
+                     "trl_generation": "transformers generate (TRL default)", "trl_loss_type": args.loss_type,
+                     "trl_gradient_checkpointing": bool(args.gradient_checkpointing)},
+        "fuseflow": ours, "trl": theirs,
+        "speedup_vs_trl": ours["samples_per_second"] / theirs["samples_per_second"],
+        "speedup_vs_trl_cpu_time": ours["samples_per_cpu_second"] / theirs["samples_per_cpu_second"],
+    }
+
+
+def register(bench_app) -> None:
+    import typer
+
+    @bench_app.command("trl")
+    def bench_trl(overrides: list[str] = typer.Argument(None, help="Dotted overrides on the bench config."),
+                  out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here."),
+                  steps: int = typer.Option(4, "--steps", help="RL steps per side (the first is a warm-up)."),
+                  threads: int = typer.Option(1, "--threads", help="torch threads (both sides)."),
+                  quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
+                  ) -> None:
+        """GRPO on `sort`: fuseflow vs TRL's GRPOTrainer, same weights, batch and lengths; samples/s ratio."""
+        from rich.console import Console
+
+        from fuseflow.config import ConfigError
+
+        console = Console()
+        try:
+            if steps < 1 or threads < 1:
+                raise ValueError(f"--steps and --threads must be >= 1, got {steps} and {threads}")
+            result = run_trl_comparison(bench_config(overrides, quick, steps), threads, log=console.print)
+        except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        f, r = result["fuseflow"], result["trl"]
+        console.print(f"fuseflow {f['samples_per_second']:.1f} samples/s, TRL {r['samples_per_second']:.1f} "
+                      f"samples/s: speedup_vs_trl {result['speedup_vs_trl']:.2f}x "
+                      f"(CPU-time ratio {result['speedup_vs_trl_cpu_time']:.2f}x)", soft_wrap=True)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,41 @@
+"""`fuseflow bench trl`: config, CLI errors, and (slow, needs the `bench` extra) a quick interleaved run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fuseflow.bench.trl import bench_config, run_trl_comparison
+from fuseflow.cli import app
+
+
+def test_bench_config_is_the_sort_preset_with_bench_settings():
+    cfg = bench_config(["trainer.prompts_per_step=16"], steps=3)
+    assert cfg.task.name == "sort" and cfg.algorithm.name == "grpo" and cfg.rollout.backend == "engine"
+    assert cfg.trainer.steps == 3 and cfg.trainer.prompts_per_step == 16 and cfg.model.max_response_len == 72
+    quick = bench_config(quick=True, steps=2)
+    assert quick.trainer.prompts_per_step * quick.algorithm.group_size == 16
+
+
+@pytest.mark.parametrize("args,msg", [(["--steps", "0"], "--steps and --threads must be >= 1"),
+                                      (["trainer.nope=1"], "trainer.nope"),
+                                      (["algorithm.name=ppo"], "must be grpo")])
+def test_cli_errors_are_one_line(args, msg):
+    res = CliRunner().invoke(app, ["bench", "trl", *args])
+    assert res.exit_code == 2 and msg in res.output
+
+
+@pytest.mark.slow
+def test_quick_comparison_runs_both_sides_on_the_same_steps(tmp_path, sft_cache):
+    pytest.importorskip("trl")
+    cfg = bench_config([f"cache_dir={sft_cache}"], quick=True, steps=2)
+    r = run_trl_comparison(cfg, threads=1, work_dir=tmp_path, log=lambda *_: None)
+    f, t = r["fuseflow"], r["trl"]
+    assert len(f["step_seconds"]) == len(t["step_seconds"]) == 2 and f["timed_steps"] == t["timed_steps"] == 1
+    assert all(x > 0 for x in f["response_tokens_per_step"] + t["response_tokens_per_step"])
+    assert r["speedup_vs_trl"] == pytest.approx(f["samples_per_second"] / t["samples_per_second"])
+    # Headline figures skip the warm-up step: 16 samples over the second step's wall time.
+    assert f["samples_per_second"] == pytest.approx(16 / f["step_seconds"][1], rel=1e-2)
+    json.dumps(r)  # serialisable as written by --out
