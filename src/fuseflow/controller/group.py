@@ -1,0 +1,150 @@
+"""``WorkerGroup``: one role's workers, called by the controller like a local object.
+
+``group.compute_values(batch)`` splits the batch over the role's ranks, runs the method
+on each and returns the outputs in batch order. ``group.compute_values.future(batch)``
+returns at once with a ``Future`` so the controller can keep several groups busy; on the
+in-process backend the call has already run when the future comes back.
+
+Each group also counts the seconds its workers spent computing (the slowest rank of each
+call), which is how a step's controller overhead is measured: step time minus the
+compute of every group.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from .dispatch import plan_for, restore, shard
+from .worker import Dispatch, dispatch_of, registered_methods
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or raised (e.g. a collective timed out); names the role, rank and method.
+
+    ``RLTrainer`` adds the last checkpointed step before it reaches the user.
+    """
+
+    def __init__(self, role: str, rank: int, method: str, cause: str, host: str = ""):
+        self.role, self.rank, self.method, self.cause, self.host = role, rank, method, cause, host
+        where = f" ({host})" if host else ""
+        super().__init__(f"{role} worker rank {rank}{where} failed in {role}.{method}: {cause}")
+
+
+class Future:
+    """The pending result of a group call; ``result()`` waits for it (raising ``WorkerFailure``)."""
+
+    def result(self) -> Any:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+
+class Done(Future):
+    """A result that is already there (the in-process backend runs calls eagerly)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+    def done(self) -> bool:
+        return True
+
+
+class GroupMethod:
+    """``group.name``: call it for the result, or ``.future(...)`` for a ``Future``."""
+
+    def __init__(self, group: WorkerGroup, name: str, spec: Dispatch):
+        self.group, self.name, self.spec = group, name, spec
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self.future(*args, **kwargs).result()
+
+    def future(self, *args, **kwargs) -> Future:
+        return self.group.call(self.name, self.spec, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.group.role}.{self.name} {self.spec.mode}->{self.spec.collect} over {self.group.world_size}>"
+
+
+class WorkerGroup(ABC):
+    """The ranks of one role. Subclasses run per-rank calls (``_submit``) in-process or on Ray."""
+
+    def __init__(self, role: str, cls: type, world_size: int):
+        self.role, self.cls, self.world_size = role, cls, world_size
+        self.compute_seconds = 0.0  # summed over calls: the slowest rank's seconds of each
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> GroupMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        spec = dispatch_of(self.cls, name)
+        if spec is None:
+            known = ", ".join(sorted(registered_methods(self.cls))) or "none"
+            raise AttributeError(f"{self.cls.__name__}.{name} is not a registered worker method (decorate it with "
+                                 f"@register); the {self.role} group has: {known}")
+        return GroupMethod(self, name, spec)
+
+    def call(self, name: str, spec: Dispatch, args: tuple, kwargs: dict) -> Future:
+        """Dispatch one call by ``spec.mode``; the returned future collects by ``spec.collect``."""
+        k, plan = self.world_size, None
+        if spec.mode == "rank_zero":
+            ranks, per_rank = [0], [(args, kwargs)]
+        elif spec.mode == "one_to_all":
+            ranks, per_rank = list(range(k)), [(args, kwargs)] * k
+        elif spec.mode == "all":
+            for i, a in enumerate([*args, *kwargs.values()]):
+                if not isinstance(a, (list, tuple)) or len(a) != k:
+                    raise ValueError(f"{self.role}.{name} (mode 'all'): argument {i} must be a list with one "
+                                     f"value per rank ({k}), got {type(a).__name__}")
+            ranks = list(range(k))
+            per_rank = [(tuple(a[r] for a in args), {n: v[r] for n, v in kwargs.items()}) for r in ranks]
+        else:  # dp_split
+            if not args:
+                raise ValueError(f"{self.role}.{name} (mode 'dp_split') needs the data as its first argument")
+            ranks = list(range(k))
+            if k == 1:
+                per_rank = [(args, kwargs)]
+            else:
+                plan = plan_for(args[0], k)
+                per_rank = [((piece, *args[1:]), kwargs) for piece in shard(args[0], plan)]
+        return self._submit(name, ranks, per_rank, lambda results: self._collect(spec, results, plan))
+
+    @staticmethod
+    def _collect(spec: Dispatch, results: list, plan) -> Any:
+        if spec.collect == "rank_zero":
+            return results[0]
+        if spec.collect == "list":
+            return list(results)
+        return results[0] if plan is None else restore(results, plan)
+
+    def _count(self, seconds: list[float]) -> None:
+        self.compute_seconds += max(seconds, default=0.0)
+        self.calls += 1
+
+    @abstractmethod
+    def _submit(self, name: str, ranks: list[int], per_rank: list[tuple[tuple, dict]],
+                collect: Callable[[list], Any]) -> Future:
+        """Start ``name`` on ``ranks`` with their arguments; the future applies ``collect`` to the results."""
+
+
+class LocalGroup(WorkerGroup):
+    """One worker in this process: a call is a plain method call, no copies and no serialization."""
+
+    def __init__(self, role: str, worker: Any):
+        super().__init__(role, type(worker), 1)
+        self.worker = worker
+
+    def _submit(self, name, ranks, per_rank, collect) -> Future:
+        (args, kwargs), = per_rank
+        t0 = time.perf_counter()
+        try:
+            out = getattr(self.worker, name)(*args, **kwargs)
+        finally:
+            self._count([time.perf_counter() - t0])
+        return Done(collect([out]))

@@ -1,0 +1,80 @@
+"""``WorkerHost``: the object inside one worker process (a Ray actor), holding its roles.
+
+Roles placed on the same pool share these processes: rank ``r`` of the pool holds rank
+``r`` of the actor, of the reference and of the critic, as verl's colocated workers do,
+so one process keeps their models side by side and they never cross a process boundary.
+
+The pool's processes form one torch.distributed process group (gloo on CPU, NCCL on
+GPU) that every data-parallel role on the pool uses, set up with a free port picked at
+run time and a timeout, which also bounds every collective: a peer that is gone turns
+into an error here instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .dispatch import from_wire, to_wire
+from .worker import DistInfo, Worker
+
+
+class WorkerHost:
+    """Rank ``rank`` of pool ``pool`` (``world_size`` processes); builds and calls role workers."""
+
+    def __init__(self, pool: str, rank: int, world_size: int, threads: int = 1):
+        self.pool, self.rank, self.world_size = pool, rank, world_size
+        torch.set_num_threads(max(1, threads))
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda":  # Ray makes exactly this worker's GPU visible, as device 0
+            torch.cuda.set_device(0)
+        self.distributed = False
+        self.roles: dict[str, Worker] = {}
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free right now (rank 0 serves the process-group rendezvous)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, addr: str, port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.distributed = True
+
+    def add_role(self, role: str, builder: Callable[[DistInfo], Worker], dp: int) -> None:
+        """Build ``role``'s rank-``self.rank`` worker (the pool's first ``dp`` ranks hold the role)."""
+        # Collectives run on the pool's group, so only a role spanning the whole pool may use them.
+        info = DistInfo(self.rank, dp, self.distributed and 1 < dp == self.world_size, self.device)
+        worker = builder(info)
+        worker.attach(info)
+        self.roles[role] = worker
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        """Run ``role.method`` on this rank; returns (result as numpy-backed wire data, seconds computing)."""
+        args, kwargs = from_wire(args), from_wire(kwargs)
+        t0 = time.perf_counter()
+        out = getattr(self.roles[role], method)(*args, **kwargs)
+        return to_wire(out), time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.distributed = False

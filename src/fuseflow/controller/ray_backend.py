@@ -1,0 +1,251 @@
+"""The ``ray`` backend: each pool is a set of Ray actors (``WorkerHost``) in placement groups.
+
+Start-up: join the cluster at ``ray.address`` (or start a local one), reserve each pool's
+CPU/GPU bundles in placement groups, start one host per bundle, then give every pool of
+more than one worker a torch.distributed process group. Every wait has a timeout whose
+error names what did not come up.
+
+While running, a call's future watches all its ranks at once: the first rank that
+raises or dies ends the wait with a ``WorkerFailure`` naming the role and rank, without
+waiting for the peers (which would sit in a collective until their own timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .dispatch import from_wire, to_wire
+from .group import Future, WorkerFailure, WorkerGroup
+from .host import WorkerHost
+from .placement import Placement, PoolPlan
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be reached or could not hold the pools; a one-line message for the user."""
+
+
+def connect(address: str | None, num_cpus: float, num_gpus: float, timeout_s: float) -> bool:
+    """Attach this process to Ray; True when it started a local cluster (which it then owns).
+
+    An already initialised Ray (e.g. a test fixture's cluster) is used as it is.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        check_address(address, timeout_s)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ClusterError(f"ray.address={address}: could not join the Ray cluster: {first}") from None
+        return True
+    # Ray's CPU slots are a scheduling count, not a thread limit: reserve as many as the pools ask for.
+    cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
+    ray.init(num_cpus=cpus, num_gpus=int(num_gpus + 0.999) or None, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+    return True
+
+
+def check_address(address: str, timeout_s: float) -> None:
+    """Fail in one line, within seconds, when nothing listens at ``HOST:PORT`` (ray.init would retry for long)."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"ray.address={address!r}: expected HOST:PORT (e.g. 10.0.0.5:6379) or 'auto'")
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+    except OSError as e:
+        raise ClusterError(f"ray.address={address}: no Ray cluster reachable there ({e.strerror or e}); "
+                           "start one with `ray start --head` or drop ray.address to run a local one") from None
+
+
+class RayCluster:
+    """The worker processes of one run: hosts per pool, built from a ``Placement``."""
+
+    def __init__(self, placement: Placement, start_timeout_s: float, collective_timeout_s: float,
+                 address: str | None = None, run_name: str | None = None):
+        import ray
+
+        self.placement, self.start_timeout_s = placement, start_timeout_s
+        self.owns_ray = connect(address, placement.cpus_needed(), placement.gpus_needed(), start_timeout_s)
+        self.run_name = run_name or uuid.uuid4().hex[:8]
+        self.hosts: dict[str, list[Any]] = {}
+        self.pgs: list[Any] = []
+        try:
+            for pool in placement.pools.values():
+                self.hosts[pool.name] = self._start_pool(pool)
+            waits = [(f"pool {n} rank {r}", h.ready.remote()) for n, hs in self.hosts.items() for r, h in enumerate(hs)]
+            _wait_start(waits, start_timeout_s, "start")
+            self.pids = {n: [ray.get(h.ready.remote()) for h in hs] for n, hs in self.hosts.items()}
+            for name, hosts in self.hosts.items():
+                if len(hosts) > 1:
+                    addr, port = ray.get(hosts[0].address.remote(), timeout=start_timeout_s)
+                    inits = [(f"pool {name} rank {r}", h.init_process_group.remote(addr, port, collective_timeout_s))
+                             for r, h in enumerate(hosts)]
+                    _wait_start(inits, start_timeout_s, "join its process group")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_pool(self, pool: PoolPlan) -> list[Any]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": pool.cpus_per_worker} | ({"GPU": pool.gpus_per_worker} if pool.gpus_per_worker else {})
+        if self.owns_ray:  # a local cluster never grows: fail now rather than after the timeout
+            total = ray.cluster_resources()
+            for k, v in bundle.items():
+                if v * pool.workers_per_node > total.get(k, 0.0):
+                    raise ClusterError(f"pool {pool.name}: {pool.workers_per_node} workers x {v:g} {k} do not fit "
+                                       f"this machine's {total.get(k, 0.0):g} {k}; lower pools.{pool.name}."
+                                       f"{'cpus' if k == 'CPU' else 'gpus'}_per_worker")
+        pgs = [placement_group([bundle] * pool.workers_per_node, strategy="STRICT_PACK" if pool.nodes > 1 else "PACK",
+                               name=f"fuseflow-{self.run_name}-{pool.name}-{node}") for node in range(pool.nodes)]
+        self.pgs += pgs
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.start_timeout_s)
+        if len(ready) < len(pgs):
+            have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise ClusterError(f"pool {pool.name}: {pool.nodes} x {pool.workers_per_node} workers of {bundle} could "
+                               f"not be placed within ray.start_timeout_s={self.start_timeout_s:g}s (free now: {have}); "
+                               f"lower pools.{pool.name}.cpus_per_worker / gpus_per_worker or add nodes")
+        remote = ray.remote(WorkerHost)
+        hosts = []
+        for rank in range(pool.size):
+            node, slot = divmod(rank, pool.workers_per_node)
+            strategy = PlacementGroupSchedulingStrategy(pgs[node], placement_group_bundle_index=slot)
+            hosts.append(remote.options(
+                num_cpus=pool.cpus_per_worker, num_gpus=pool.gpus_per_worker, scheduling_strategy=strategy,
+                name=f"fuseflow-{self.run_name}-{pool.name}-{rank}", max_restarts=0,
+            ).remote(pool.name, rank, pool.size, max(1, int(pool.cpus_per_worker))))
+        return hosts
+
+    def group(self, role: str, cls: type, builder: Callable, dp: int | None = None) -> RayGroup:
+        """Build ``role`` on the first ``dp`` hosts of its pool and return its group."""
+        pool = self.placement.role_pool[role] if role in self.placement.role_pool else None
+        if pool is None:
+            raise ValueError(f"role {role!r} has no pool in the placement ({', '.join(self.placement.role_pool)})")
+        dp = dp or self.placement.dp[role]
+        hosts = self.hosts[pool][:dp]
+        _wait_start([(f"{role} rank {r}", h.add_role.remote(role, builder, dp)) for r, h in enumerate(hosts)],
+                    self.start_timeout_s, f"build {role}")
+        return RayGroup(role, cls, hosts, pool)
+
+    def host(self, pool: str, rank: int) -> Any:
+        """The Ray actor handle of one worker process (tests kill it to check fault handling)."""
+        return self.hosts[pool][rank]
+
+    def shutdown(self) -> None:
+        """Stop the run's processes and free its placement groups; stop Ray if this run started it."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for hosts in self.hosts.values():
+            for h in hosts:
+                ray.kill(h, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already gone with a dead cluster; nothing left to free
+                pass
+        self.hosts, self.pgs = {}, []
+        if self.owns_ray:
+            ray.shutdown()
+            self.owns_ray = False
+
+
+class RayGroup(WorkerGroup):
+    """A role's ranks as Ray actor handles; arguments go as numpy-backed wire data, sliced per rank."""
+
+    def __init__(self, role: str, cls: type, hosts: list[Any], pool: str):
+        super().__init__(role, cls, len(hosts))
+        self.hosts, self.pool = hosts, pool
+
+    def _submit(self, name, ranks, per_rank, collect) -> Future:
+        import ray
+
+        shared = None
+        if len(per_rank) > 1 and all(p is per_rank[0] for p in per_rank):
+            # one_to_all: store the input once; Ray hands each host the stored object.
+            shared = tuple(ray.put(x) for x in to_wire(per_rank[0]))
+        refs = []
+        for r, call in zip(ranks, per_rank, strict=True):
+            args, kwargs = shared or to_wire(call)
+            refs.append(self.hosts[r].call.remote(self.role, name, args, kwargs))
+        return RayFuture(self, name, ranks, refs, collect)
+
+
+class RayFuture(Future):
+    def __init__(self, group: RayGroup, name: str, ranks: list[int], refs: list, collect: Callable[[list], Any]):
+        self.group, self.name, self.ranks, self.refs, self.collect = group, name, ranks, refs, collect
+        self._value: tuple | None = None
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> Any:
+        if self._value is None:
+            outs = _wait_ranks(self.group.role, self.name, self.ranks, self.refs, self.group.pool)
+            self.group._count([s for _, s in outs])
+            self._value = (self.collect([from_wire(r) for r, _ in outs]),)
+        return self._value[0]
+
+
+def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str) -> list:
+    """Every rank's result; the first failure (an exception or a dead process) raises at once."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    index = {ref: i for i, ref in enumerate(refs)}
+    out: list = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            i = index[ref]
+            try:
+                out[i] = ray.get(ref)
+            except RayActorError as e:
+                raise WorkerFailure(role, ranks[i], method, f"its process died ({_summary(e)})",
+                                    f"pool {pool}") from None
+            except RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                raise WorkerFailure(role, ranks[i], method, f"{type(cause).__name__}: {_summary(cause)}",
+                                    f"pool {pool}") from None
+    return out
+
+
+def _wait_start(waits: list[tuple[str, Any]], timeout_s: float | None, what: str) -> None:
+    """Wait for start-up calls; a timeout or a failure names the first worker that did not make it."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    refs = [r for _, r in waits]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for label, ref in waits:
+        if ref in pending:
+            raise ClusterError(f"{label} did not {what} within ray.start_timeout_s={timeout_s:g}s")
+        try:
+            ray.get(ref)
+        except (RayActorError, RayTaskError) as e:
+            cause = getattr(e, "cause", None) or e
+            raise ClusterError(f"{label} failed to {what}: {type(cause).__name__}: {_summary(cause)}") from None
+
+
+def _summary(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(e).__name__
