@@ -35,6 +35,8 @@ def test_quick_comparison_runs_both_sides_on_the_same_steps(tmp_path, sft_cache)
     f, t = r["fuseflow"], r["trl"]
     assert len(f["step_seconds"]) == len(t["step_seconds"]) == 2 and f["timed_steps"] == t["timed_steps"] == 1
     assert all(x > 0 for x in f["response_tokens_per_step"] + t["response_tokens_per_step"])
+    assert len(f["reward_per_step"]) == len(t["reward_per_step"]) == 2
+    assert all(0.0 <= x <= 1.0 for x in f["reward_per_step"] + t["reward_per_step"])
     assert r["speedup_vs_trl"] == pytest.approx(f["samples_per_second"] / t["samples_per_second"])
     # Headline figures skip the warm-up step: 16 samples over the second step's wall time.
     assert f["samples_per_second"] == pytest.approx(16 / f["step_seconds"][1], rel=1e-2)

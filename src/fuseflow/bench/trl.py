@@ -112,11 +112,14 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     data = datasets.Dataset.from_dict({"prompt": [ff.train_prompts[i].text for i in order]})
 
     trl_tokens: list[float] = []
+    trl_rewards: list[float] = []
 
     def sort_reward(prompts, completions, completion_ids, **_):
         # Called once per generation batch (one RL step); completion ids include the eos, as fuseflow counts them.
         trl_tokens.append(float(sum(len(c) for c in completion_ids)))
-        return [ff.task.score(by_text[p], c) for p, c in zip(prompts, completions, strict=True)]
+        scores = [ff.task.score(by_text[p], c) for p, c in zip(prompts, completions, strict=True)]
+        trl_rewards.append(sum(scores) / len(scores))
+        return scores
 
     tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
     probe = ff.train_prompts[order[0]].text
@@ -139,6 +142,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     )
     ff_timer, trl_timer = _Timer(), _Timer()
     ff_tokens: list[float] = []
+    ff_rewards: list[float] = []
     optim_per_rl_step = samples_per_step // mini
 
     class Interleave(TrainerCallback):
@@ -156,6 +160,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             m = ff.step(rl_step)
             ff_timer.stop()
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
+            ff_rewards.append(m["reward/mean"])
             log(f"step {rl_step}: TRL {trl_timer.wall[-1]:.1f}s, fuseflow {ff_timer.wall[-1]:.1f}s "
                 f"(reward {m['reward/mean']:.3f})")
             trl_timer.start()
@@ -167,8 +172,8 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     ff.close()
     if len(trl_tokens) != steps or len(ff_tokens) != steps:
         raise RuntimeError(f"expected {steps} RL steps per side, got TRL {len(trl_tokens)}, fuseflow {len(ff_tokens)}")
-    ours, theirs = _summary(ff_timer, samples_per_step, ff_tokens, 1), _summary(trl_timer, samples_per_step,
-                                                                                  trl_tokens, 1)
+    ours = _summary(ff_timer, samples_per_step, ff_tokens, 1) | {"reward_per_step": ff_rewards}
+    theirs = _summary(trl_timer, samples_per_step, trl_tokens, 1) | {"reward_per_step": trl_rewards}
     return {
         "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "trl_version": trl.__version__,
