@@ -113,10 +113,12 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
 
     trl_tokens: list[float] = []
     trl_rewards: list[float] = []
+    trl_longest: list[int] = []  # a static generate batch runs until its longest sample is done
 
     def sort_reward(prompts, completions, completion_ids, **_):
         # Called once per generation batch (one RL step); completion ids include the eos, as fuseflow counts them.
         trl_tokens.append(float(sum(len(c) for c in completion_ids)))
+        trl_longest.append(max(len(c) for c in completion_ids))
         scores = [ff.task.score(by_text[p], c) for p, c in zip(prompts, completions, strict=True)]
         trl_rewards.append(sum(scores) / len(scores))
         return scores
@@ -143,6 +145,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     ff_timer, trl_timer = _Timer(), _Timer()
     ff_tokens: list[float] = []
     ff_rewards: list[float] = []
+    ff_longest: list[int] = []
     optim_per_rl_step = samples_per_step // mini
 
     class Interleave(TrainerCallback):
@@ -161,6 +164,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             ff_timer.stop()
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
             ff_rewards.append(m["reward/mean"])
+            ff_longest.append(int(m["rollout/response_length_max"]))
             log(f"step {rl_step}: TRL {trl_timer.wall[-1]:.1f}s, fuseflow {ff_timer.wall[-1]:.1f}s "
                 f"(reward {m['reward/mean']:.3f})")
             trl_timer.start()
@@ -172,8 +176,10 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     ff.close()
     if len(trl_tokens) != steps or len(ff_tokens) != steps:
         raise RuntimeError(f"expected {steps} RL steps per side, got TRL {len(trl_tokens)}, fuseflow {len(ff_tokens)}")
-    ours = _summary(ff_timer, samples_per_step, ff_tokens, 1) | {"reward_per_step": ff_rewards}
-    theirs = _summary(trl_timer, samples_per_step, trl_tokens, 1) | {"reward_per_step": trl_rewards}
+    ours = _summary(ff_timer, samples_per_step, ff_tokens, 1) | {"reward_per_step": ff_rewards,
+                                                                  "response_length_max_per_step": ff_longest}
+    theirs = _summary(trl_timer, samples_per_step, trl_tokens, 1) | {"reward_per_step": trl_rewards,
+                                                                     "response_length_max_per_step": trl_longest}
     return {
         "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "trl_version": trl.__version__,
