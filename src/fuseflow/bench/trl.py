@@ -84,7 +84,8 @@ def _summary(timer: _Timer, samples_per_step: int, tokens: list[float], warmup: 
 def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | None = None, log=print) -> dict:
     """Run GRPO for ``cfg.trainer.steps`` steps in fuseflow and in TRL, interleaved; return the figures.
 
-    ``speedup_vs_trl`` is fuseflow samples/s over TRL samples/s (wall clock, after warm-up).
+    ``speedup_vs_trl`` is fuseflow samples/s over TRL samples/s (wall clock, after warm-up). Run files go
+    to ``work_dir`` (kept) or a temporary directory (removed).
     """
     try:
         import datasets
@@ -101,7 +102,10 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     torch.set_num_threads(threads)
     t, a, steps = cfg.trainer, cfg.algorithm, cfg.trainer.steps
     samples_per_step = t.prompts_per_step * a.group_size
-    tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="fuseflow-bench-trl-"))
+    if work_dir is None:  # both runs' files are scratch: removed afterwards
+        with tempfile.TemporaryDirectory(prefix="fuseflow-bench-trl-") as scratch:
+            return run_trl_comparison(cfg, threads, scratch, log)
+    tmp = Path(work_dir)
     log("fuseflow: setting up (SFT warm start, cached after the first run)")
     ff = RLTrainer(cfg, tmp / "fuseflow", log=log)
     sft_dir = tmp / "fuseflow" / "reference"  # the SFT weights + tokenizer, an HF directory
