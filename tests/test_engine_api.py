@@ -158,11 +158,13 @@ def test_bad_input_is_rejected_with_a_clear_message() -> None:
         SamplingParams(stop="x")
 
 
-def test_a_request_as_large_as_the_whole_kv_budget_still_runs() -> None:
+def test_a_request_as_large_as_the_whole_kv_pool_still_runs() -> None:
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                       max_position_embeddings=512)
     model = CausalLM.from_config(cfg, seed=0).eval()
-    # 200 blocks (1% headroom = 2 blocks); the prompt alone needs 199 and the sample all 200.
-    engine = Engine(model, EngineConfig(max_num_seqs=2, kv_budget_tokens=400, block_size=2))
+    # Half of 800 tokens is the pool: 200 blocks (1% headroom = 2 blocks); the prompt alone needs 199 and
+    # the sample all 200. The other half, the decode copy, cannot hold a 400-token row (rounded up to 448),
+    # so this row decodes straight from the pool.
+    engine = Engine(model, EngineConfig(max_num_seqs=2, kv_budget_tokens=800, block_size=2))
     sample = next(engine.generate([_req(0, 2, prompt=[1] * 398)]))
     assert len(sample.response_ids) == 2 and engine.blocks.num_free == 200

@@ -112,7 +112,7 @@ def test_preemption_under_a_small_kv_budget_changes_nothing() -> None:
     model = _model()
     reqs = _requests(10, greedy=False)
     ref = {u: s.response_ids for u, s in _run(model, reqs, max_num_seqs=8).items()}
-    engine = Engine(model, EngineConfig(max_num_seqs=8, kv_budget_tokens=64, block_size=4))
+    engine = Engine(model, EngineConfig(max_num_seqs=8, kv_budget_tokens=128, block_size=4))  # pool: 16 blocks
     peak = 0
     out = {}
     for s in engine.generate(reqs):
@@ -202,3 +202,18 @@ def test_hf_backend_logprobs_match_the_training_forward_and_stop_tokens_cut() ->
     backend.update_weights(3)  # copies the source model's new weights into the HF copy
     after = next(backend.generate([RolloutRequest(0, [5, 6, 7], SamplingParams(greedy=True, max_new_tokens=12))]))
     assert after.policy_version == 3 and after.response_ids != free.response_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_linear_kernel_and_decode_copy_are_speed_choices_only(arch: str) -> None:
+    # oneDNN vs torch matmuls, and decode attention over the contiguous copy vs straight from the pool
+    # (decode_cache_fraction=0), must give the same greedy tokens and log-probs within float noise.
+    model = _model(arch)
+    reqs = _requests(9, greedy=True)
+    ref = _run(model, reqs, **SMALL, linear_kernel="torch", decode_cache_fraction=0.0)
+    for cfg in (dict(linear_kernel="auto"), dict(linear_kernel="torch"), dict(linear_kernel="auto",
+                                                                             decode_cache_fraction=0.0)):
+        got = _run(model, reqs, **SMALL, **cfg)
+        assert {u: s.response_ids for u, s in got.items()} == {u: s.response_ids for u, s in ref.items()}, cfg
+        for u, s in got.items():
+            assert max(abs(a - b) for a, b in zip(s.logprobs, ref[u].logprobs, strict=True)) < 1e-4

@@ -1,4 +1,5 @@
-"""Block bookkeeping of the engine's paged KV cache: sharing, the hash prefix cache, eviction order."""
+"""Engine mechanism: paged KV bookkeeping (sharing, the hash prefix cache, eviction order), the pool, the
+decode copy, the runner's matmuls and the per-sample random draws."""
 
 from __future__ import annotations
 
@@ -93,32 +94,93 @@ def test_pool_write_gather_and_copy_place_tokens_by_block_table() -> None:
     assert torch.equal(pool.gather(0, torch.tensor([[3]]))[0][0, 0], k[:2, 0])
 
 
-class _Seq:  # the two fields DecodeCache reads
+class _Seq:  # the fields DecodeCache reads
     def __init__(self, table: list[int], n: int):
         self.block_table, self.num_computed = table, n
 
 
-def test_decode_cache_mirrors_pool_rows_and_stays_compact() -> None:
-    from fuseflow.rollout.engine.kv import DecodeCache
-
+def _pool_with_known_keys() -> KVPool:
     pool = KVPool(num_layers=2, num_blocks=6, block_size=2, n_kv=1, head_dim=1, dtype=torch.float32,
                   device=torch.device("cpu"))
     for layer in range(2):  # key of (block b, offset o) = 10 * b + o (+ 100 per layer); value = -key
         keys = torch.tensor([10.0 * b + o + 100 * layer for b in range(6) for o in range(2)]).view(-1, 1, 1)
         pool.write(layer, torch.arange(12), keys, -keys)
-    cache = DecodeCache(pool, max_rows=3, granularity=4)
+    return pool
+
+
+def test_decode_cache_mirrors_pool_rows_and_stays_compact() -> None:
+    from fuseflow.rollout.engine.kv import DecodeCache
+
+    cache = DecodeCache(_pool_with_known_keys(), max_rows=3, capacity=24, granularity=4)
     a, b, c = _Seq([4, 1], 3), _Seq([2], 1), _Seq([5, 0, 3], 5)
-    rows = cache.sync([a, b, c], [4, 2, 6])
+    rows = cache.sync([a, b, c], [5, 3, 6])  # final lengths (prompt + max_new_tokens)
     assert sorted(rows) == [0, 1, 2] and rows[2] == 0  # the longest newcomer takes the lowest row
-    assert cache.cap == 8
-    k, v = cache.view(1, rows[0], rows[0] + 1, 3)  # keys come transposed: (n, n_kv, hd, span)
-    assert k.flatten().tolist() == [140.0, 141.0, 110.0] and v.flatten().tolist() == [-140.0, -141.0, -110.0]
+    assert (cache.cap, cache.rows) == (8, 3)
+    k, v = cache.view(rows[0], rows[0] + 1, 3)  # every layer: keys (L, n * n_kv, hd, span), values (..., span, hd)
+    assert k[1].flatten().tolist() == [140.0, 141.0, 110.0] and v[1].flatten().tolist() == [-140.0, -141.0, -110.0]
+    # This step's token of each row (at position num_computed) goes in with one put per layer.
+    pos = torch.tensor([0] * 3)
+    for i, s in enumerate((a, b, c)):
+        pos[rows[i]] = s.num_computed
+    new = torch.tensor([7.0, 8.0, 9.0]).view(3, 1, 1, 1).expand(3, 2, 1, 1) * torch.tensor([1.0, -1.0]).view(1, 2, 1, 1)
+    cache.write(cache.write_index(pos)[0], new.contiguous())
+    k, v = cache.view(0, 3, 8)
+    for r in range(3):
+        assert k[0, r, 0, pos[r]] == 7.0 + r and v[0, r, pos[r], 0] == -7.0 - r
     # c leaves: a row from the end moves into its hole; the survivors keep their content.
-    cache.write(0, torch.tensor([rows[0]]), torch.tensor([3]), torch.tensor([[[7.0]]]), torch.tensor([[[-7.0]]]))
+    before = cache.view(rows[0], rows[0] + 1, 4)[0][0].flatten().tolist()
     rows2 = cache.sync([a, b], [5, 3])
-    assert sorted(rows2) == [0, 1]
-    k, _ = cache.view(0, rows2[0], rows2[0] + 1, 4)
-    assert k.flatten().tolist() == [40.0, 41.0, 10.0, 7.0]
-    assert cache.cap == 8  # 5 of 8 still used: no shrink yet
-    cache.sync([b], [2])
-    assert cache.cap == 4  # the long rows are gone: the mirror shrinks
+    assert sorted(rows2) == [0, 1] and cache.cap == 8  # 5 of 8 still used: no shrink yet
+    assert cache.view(rows2[0], rows2[0] + 1, 4)[0][0].flatten().tolist() == before == [40.0, 41.0, 10.0, 7.0 + rows[0]]
+    cache.sync([b], [3])
+    assert cache.cap == 4  # the long rows are gone: the copy shrinks, refilled from the pool
+    assert cache.view(0, 1, 2)[0][0].flatten().tolist() == [20.0, 21.0]
+
+
+def test_decode_cache_stays_within_its_capacity_and_leaves_out_the_longest_rows() -> None:
+    from fuseflow.rollout.engine.kv import DecodeCache
+
+    cache = DecodeCache(_pool_with_known_keys(), max_rows=3, capacity=16, granularity=4)
+    a, b, c = _Seq([4, 1], 3), _Seq([2], 1), _Seq([5, 0, 3], 5)
+    # All three need 3 rows of 8 = 24 > 16 tokens; the two shorter fit as 3 rows of 4 = 12.
+    rows = cache.sync([a, b, c], [4, 3, 6])
+    assert rows[2] is None and sorted(rows[:2]) == [0, 1]
+    assert cache.rows * cache.cap <= 16 and cache.buf.numel() <= 2 * 2 * 16  # layers x (k, v) x capacity
+    assert cache.view(rows[0], rows[0] + 1, 4)[0][0].flatten().tolist() == [40.0, 41.0, 10.0, 11.0]
+    assert DecodeCache(_pool_with_known_keys(), max_rows=3, capacity=0).sync([a, b], [4, 2]) == [None, None]
+
+
+def test_linears_match_plain_torch_with_and_without_onednn() -> None:
+    from fuseflow.rollout.engine.runner import Linears, onednn_available
+
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(16, 8, bias=True)
+    x, h = torch.randn(5, 16, generator=gen), torch.randn(5, 8, generator=gen)
+    h0 = h.clone()
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        kernels = ["torch"] + (["onednn"] if onednn_available(torch.device("cpu"), torch.float32) else [])
+        for kernel in kernels:
+            lin = Linears(kernel, torch.device("cpu"), torch.float32)
+            assert lin.onednn == (kernel == "onednn")
+            torch.testing.assert_close(lin(x, layer), want)
+            torch.testing.assert_close(lin.silu(x, layer), torch.nn.functional.silu(want))
+            torch.testing.assert_close(lin.add(h, x, layer), h0 + want)
+            assert torch.equal(h, h0)  # the residual input is left alone
+    with pytest.raises(ValueError, match="auto, onednn or torch"):
+        Linears("mkl", torch.device("cpu"), torch.float32)
+
+
+def test_uniforms_drawn_ahead_equal_scalar_draws_and_export_the_exact_generator_state() -> None:
+    from fuseflow.rollout.base import RolloutRequest, SamplingParams
+    from fuseflow.rollout.engine.sequence import Sequence
+
+    seq = Sequence(RolloutRequest(0, [1, 2], SamplingParams(seed=7, max_new_tokens=100)))
+    ref = torch.Generator().manual_seed(7)
+    for i in range(70):  # crosses the 64-draw chunk boundary
+        assert seq.next_uniform() == torch.rand((), generator=ref).item()
+        if i in (0, 5, 63, 64, 69):
+            # The exported state continues exactly after the draws consumed so far.
+            other = torch.Generator()
+            other.set_state(torch.frombuffer(bytearray(seq.rng_state()), dtype=torch.uint8))
+            assert torch.equal(other.get_state(), ref.get_state())

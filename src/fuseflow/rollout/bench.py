@@ -95,8 +95,12 @@ def bench_workload(model: CausalLM, name: str, slots: int, quick: bool, repeats:
 
     reqs, info = make_workload(name, quick)
     hf = HFBackend(model, pad_id=0, batch_size=slots)
-    budget = slots * (max(len(r.prompt_ids) for r in reqs) + info["response_len_max"])
-    cfg = EngineConfig(max_num_seqs=slots, kv_budget_tokens=budget, max_num_batched_tokens=max(2048, slots))
+    # Half of the KV budget is the paged pool, half the decode copy: each holds every slot at its longest
+    # (rounded up to a block), so nothing is preempted. HF's cache peaks at the same size, since each
+    # step's torch.cat builds a new cache while the old one is alive.
+    longest = -(-(max(len(r.prompt_ids) for r in reqs) + info["response_len_max"]) // 16) * 16
+    cfg = EngineConfig(max_num_seqs=slots, kv_budget_tokens=2 * slots * longest, block_size=16,
+                       max_num_batched_tokens=max(2048, slots))
     times: dict[str, list[float]] = {"fuseflow_wall_s": [], "hf_wall_s": [], "fuseflow_cpu_s": [], "hf_cpu_s": []}
     stats: dict = {}
     for rep in range(repeats):

@@ -34,10 +34,17 @@ class EngineConfig:
     """Capacity of one engine.
 
     max_num_seqs:           slots: sequences decoded together in one step
-    kv_budget_tokens:       paged KV pool size in tokens (all layers), rounded down to whole blocks;
-                            admission and preemption keep every sample inside it. Decoding rows
-                            also keep a contiguous copy of their KV (at most max_num_seqs x the
-                            longest decoding sample), which makes attention copy-free
+    kv_budget_tokens:       all KV memory of the engine, in tokens (all layers): the paged pool plus
+                            the decode copy. The pool gets (1 - decode_cache_fraction) of it, rounded
+                            down to whole blocks; admission and preemption keep every sample inside
+                            the pool
+    decode_cache_fraction:  share of kv_budget_tokens for the contiguous copy of the decoding rows'
+                            KV, which lets decode attention read the cache in place instead of
+                            gathering blocks every step; rows it has no room for attend from the
+                            pool. 0 turns the copy off (fully paged). Since the copy duplicates
+                            pool content, half and half suits a pool full of decoding rows
+    linear_kernel:          "auto" (oneDNN's linear on CPU where it works, else torch), "onednn" or
+                            "torch" (plain F.linear); see runner.Linears for why
     block_size:             tokens per KV block (the unit of allocation and of prefix caching)
     max_num_batched_tokens: tokens computed per step (decode rows + prefill chunks); longer
                             prompts are prefilled in chunks
@@ -49,17 +56,35 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
+    decode_cache_fraction: float = 0.5
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "kv_budget_tokens", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_budget_tokens < self.block_size:
-            raise ValueError(f"EngineConfig.kv_budget_tokens={self.kv_budget_tokens} is below one block "
-                             f"(block_size={self.block_size}); raise it")
+        if self.linear_kernel not in ("auto", "onednn", "torch"):
+            raise ValueError(f"EngineConfig.linear_kernel must be auto, onednn or torch, got {self.linear_kernel!r}")
+        if not 0 <= self.decode_cache_fraction < 1:
+            raise ValueError(f"EngineConfig.decode_cache_fraction must be in [0, 1), got {self.decode_cache_fraction}")
+        if self.pool_tokens < self.block_size:
+            raise ValueError(f"EngineConfig.kv_budget_tokens={self.kv_budget_tokens} leaves {self.pool_tokens} "
+                             f"tokens for the pool (decode_cache_fraction={self.decode_cache_fraction}), below one "
+                             f"block (block_size={self.block_size}); raise it")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"EngineConfig.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                              f"max_num_seqs={self.max_num_seqs} (every running sequence decodes one token per step)")
+
+
+    @property
+    def decode_cache_tokens(self) -> int:
+        """Tokens of the budget held by the decode copy."""
+        return int(self.kv_budget_tokens * self.decode_cache_fraction)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of the budget held by the paged pool (before rounding down to whole blocks)."""
+        return self.kv_budget_tokens - self.decode_cache_tokens
 
 
 class Engine(RolloutBackend):
@@ -75,11 +100,12 @@ class Engine(RolloutBackend):
     def __init__(self, model: CausalLM, config: EngineConfig | None = None, tokenizer=None):
         self.model, self.config, self.tokenizer = model, config or EngineConfig(), tokenizer
         c = self.config
-        self.num_blocks = c.kv_budget_tokens // c.block_size
+        self.num_blocks = c.pool_tokens // c.block_size
         detok: Callable[[list[int]], str] | None = None if tokenizer is None else tokenizer.decode
         self.blocks = BlockManager(self.num_blocks, c.block_size, c.enable_prefix_cache)
         self.scheduler = Scheduler(self.blocks, c.max_num_seqs, c.max_num_batched_tokens, detok)
-        self.runner = ModelRunner(model, self.num_blocks, c.block_size, c.max_num_seqs)
+        self.runner = ModelRunner(model, self.num_blocks, c.block_size, c.max_num_seqs, c.decode_cache_tokens,
+                                  c.linear_kernel)
         self.policy_version = 0
         self._lock = threading.RLock()
 
@@ -167,7 +193,8 @@ class Engine(RolloutBackend):
                              f"model's max_position_embeddings={limit}; shorten the prompt or max_new_tokens")
         if self.blocks.blocks_for(n + p.max_new_tokens) > self.num_blocks:
             raise ValueError(f"request {req.uid}: prompt + max_new_tokens = {n + p.max_new_tokens} tokens exceeds "
-                             f"EngineConfig.kv_budget_tokens={self.config.kv_budget_tokens}; raise the budget")
+                             f"the KV pool ({self.num_blocks * self.config.block_size} tokens of "
+                             f"EngineConfig.kv_budget_tokens={self.config.kv_budget_tokens}); raise the budget")
         if partial is not None and len(partial.response_ids) >= p.max_new_tokens:
             raise ValueError(f"request {req.uid}: partial state already has max_new_tokens={p.max_new_tokens} "
                              "tokens; nothing to resume")

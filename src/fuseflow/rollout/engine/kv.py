@@ -148,22 +148,28 @@ class BlockManager:
 
 
 class KVPool:
-    """Per-layer KV tensors (num_blocks, block_size, 2, n_kv, head_dim): keys at [:, :, 0], values at [:, :, 1].
+    """All layers' KV in one tensor (L, num_blocks, block_size, 2, n_kv, head_dim): keys at [..., 0, :, :],
+    values at [..., 1, :, :].
 
-    Keys and values share one tensor so each layer needs one gather and one scatter per step.
-    Zero-initialised: masked-out positions are read (and multiplied by weight 0), so they must be finite.
+    A token's keys and values sit side by side, so a layer's new tokens are stored with one
+    `index_copy_`, and a block moves in every layer at once. Zero-initialised: masked-out positions
+    are read (and multiplied by weight 0), so they must be finite.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.block_size, self.n_kv, self.head_dim = block_size, n_kv, head_dim
-        shape = (num_blocks, block_size, 2, n_kv, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.data = torch.zeros((num_layers, num_blocks, block_size, 2, n_kv, head_dim), dtype=dtype, device=device)
+        self.layers = list(self.data.unbind(0))  # per-layer views (num_blocks, block_size, 2, n_kv, hd)
+        self._slots = [t.view(-1, 2, n_kv, head_dim) for t in self.layers]  # per layer (num_blocks * bs, 2, ...)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v (N, n_kv, hd) at flat slots (N,) = block * block_size + offset."""
-        flat = self.layers[layer].view(-1, 2, self.n_kv, self.head_dim)
-        flat.index_copy_(0, slots, torch.stack((k, v), dim=1))
+        self.write_kv(layer, slots, torch.stack((k, v), dim=1))
+
+    def write_kv(self, layer: int, slots: Tensor, kv: Tensor) -> None:
+        """Store stacked keys and values kv (N, 2, n_kv, hd) at flat slots (N,)."""
+        self._slots[layer].index_copy_(0, slots, kv)
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values (B, n_kv, nb * block_size, hd) of block tables (B, nb), as strided views of one copy."""
@@ -172,67 +178,100 @@ class KVPool:
                                                                          self.head_dim)
         return g[:, :, 0].transpose(1, 2), g[:, :, 1].transpose(1, 2)
 
+    def gather_all(self, tables: Tensor) -> Tensor:
+        """Every layer's KV of block tables (B, nb), copied: (L, B, nb * block_size, 2, n_kv, hd)."""
+        b, nb = tables.shape
+        return self.data.index_select(1, tables.reshape(-1)).view(self.data.shape[0], b, nb * self.block_size, 2,
+                                                                  self.n_kv, self.head_dim)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (forking a partially filled prompt block)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.layers[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=self.layers[0].device)
-        for t in self.layers:
-            t.index_copy_(0, dst, t.index_select(0, src))
+        src = torch.tensor([s for s, _ in pairs], device=self.data.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.data.device)
+        self.data.index_copy_(1, dst, self.data.index_select(1, src))
 
 
 class DecodeCache:
-    """A contiguous per-row copy of the KV of the sequences being decoded, rows 0..B-1.
+    """A contiguous copy of the KV of the sequences being decoded, one row each, within `capacity` tokens.
 
-    Gathering every decoding row's blocks out of the pool would copy the whole live KV once per
-    layer per step (as HF's growing `torch.cat` cache does). Here each new token's KV is written
-    in place, and a sequence's blocks are gathered only once, when it starts decoding; rows are
-    kept compact (a leaving row's hole is filled by moving the last row), so attention reads a
-    plain slice `[:B, :, :S]` with no copy. The pool stays the record (prefix cache, preemption);
-    this mirror adds at most max_rows x (longest decoding sequence, rounded up) tokens of memory.
+    Attending over blocks scattered in the pool would copy the whole live KV once per layer per
+    step (as HF's growing `torch.cat` cache does). Here a sequence's blocks are copied once, when it
+    starts decoding; each new token's KV is written in place, and rows stay compact (a leaving row's
+    hole is filled by moving the last row), so attention reads a plain slice with no copy.
+
+    Memory is bounded: the copy holds rows x cap <= `capacity` tokens (the engine's share of its
+    KV budget), where cap is the longest final length (prompt + max_new_tokens) of the copied rows,
+    rounded up to `granularity`. When the decoding rows do not all fit, the longest ones are left
+    out and the runner attends over them straight from the pool (`sync` returns None for them).
+    The pool stays the record, so any row can be rebuilt from it; that is how a change of layout
+    (cap) is done, with no second buffer.
+
+    Layout: one tensor (L, 2, rows, n_kv, hd * cap); keys stored transposed (hd, cap), so q @ k^T
+    streams along positions (measured ~1.5x faster on CPU than a transposed (cap, hd) view), values
+    as (cap, hd). One `put_` per layer stores the step's keys and values of every row.
     """
 
-    def __init__(self, pool: KVPool, max_rows: int, granularity: int = 128):
-        self.pool, self.max_rows, self.granularity = pool, max_rows, granularity
-        # Keys are stored transposed, (max_rows, n_kv, hd, cap): q @ k^T then streams along positions,
-        # measured ~1.5x faster on CPU than multiplying by a transposed (cap, hd) view.
-        self.keys: list[Tensor] = []  # per layer (max_rows, n_kv, hd, cap)
-        self.values: list[Tensor] = []  # per layer (max_rows, n_kv, cap, hd)
-        self.cap = 0
+    def __init__(self, pool: KVPool, max_rows: int, capacity: int, granularity: int = 16):
+        if capacity < 0 or max_rows < 1 or granularity < 1:
+            raise ValueError(f"DecodeCache needs capacity >= 0, max_rows >= 1, granularity >= 1; got {capacity}, "
+                             f"{max_rows}, {granularity}")
+        self.pool, self.max_rows, self.capacity, self.granularity = pool, max_rows, capacity, granularity
+        self.buf: Tensor | None = None  # (L, 2, rows, n_kv, hd * cap)
+        self.keys: Tensor | None = None  # (L, rows, n_kv, hd, cap) view of buf
+        self.values: Tensor | None = None  # (L, rows, n_kv, cap, hd) view of buf
+        self.rows = self.cap = 0
         self.row_of: dict = {}  # sequence -> its row
+        self._base: Tensor | None = None  # (L, rows, 2, n_kv, hd): flat offset of each element at position 0
+        self._step: Tensor | None = None  # (2,): offset of one position, for keys and for values
 
-    def _resize(self, need: int) -> None:
-        cap = -(-need // self.granularity) * self.granularity
-        p = self.pool
-        ref = p.layers[0]
-        keep = min(cap, self.cap)
-        for store, transposed in ((self.keys, True), (self.values, False)):
-            old = list(store) or [None] * len(p.layers)
-            store.clear()
-            for t in old:
-                shape = (self.max_rows, p.n_kv, p.head_dim, cap) if transposed else (self.max_rows, p.n_kv, cap,
-                                                                                     p.head_dim)
-                new = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-                if t is not None:
-                    if transposed:
-                        new[..., :keep] = t[..., :keep]
-                    else:
-                        new[:, :, :keep] = t[:, :, :keep]
-                store.append(new)
-        self.cap = cap
+    def _round(self, n: int) -> int:
+        return -(-n // self.granularity) * self.granularity
 
-    def sync(self, seqs: list, lengths: list[int]) -> list[int]:
-        """Give seqs rows 0..len(seqs)-1, filling rows of newcomers from the pool; returns each seq's row.
+    def _choose(self, lengths: list[int]) -> list[int]:
+        """Indices of the rows to copy: the most rows that fit, shortest first (`lengths`: their final lengths)."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        k = len(order)
+        while k and k > min(self.max_rows, self.capacity // self._round(lengths[order[k - 1]])):
+            k -= 1
+        return order[:k]
 
-        `lengths[i]` is the number of positions seqs[i] will hold after this step.
+    def _layout(self, cap: int) -> None:
+        """Re-shape to rows of `cap` positions (the old content is dropped; rows are refilled from the pool)."""
+        p, L = self.pool, self.pool.data.shape[0]
+        self.buf = self.keys = self.values = None  # free the old layout first: the bound holds during the change too
+        self.cap, self.rows = cap, min(self.max_rows, self.capacity // cap)
+        kv, hd, r, dev = p.n_kv, p.head_dim, self.rows, p.data.device
+        self.buf = torch.zeros((L, 2, r, kv, hd * cap), dtype=p.data.dtype, device=dev)
+        self.keys, self.values = self.buf[:, 0].view(L, r, kv, hd, cap), self.buf[:, 1].view(L, r, kv, cap, hd)
+        ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
+        # Element (l, row, c, h, d) of a step's stacked (rows, 2, n_kv, hd) KV goes to
+        # buf[l, c, row, h, d * cap + pos] for keys (c = 0) and buf[l, c, row, h, pos * hd + d] for values.
+        start = (((ar(L).view(L, 1, 1, 1, 1) * 2 + ar(2).view(1, 1, 2, 1, 1)) * r + ar(r).view(1, r, 1, 1, 1)) * kv
+                 + ar(kv).view(1, 1, 1, kv, 1)) * (hd * cap)
+        self._base = start + ar(hd).view(1, 1, 1, 1, hd) * torch.tensor([cap, 1], device=dev).view(1, 1, 2, 1, 1)
+        self._step = torch.tensor([1, hd], device=dev)
+        self.row_of = {}
+
+    def sync(self, seqs: list, finals: list[int]) -> list[int | None]:
+        """Give the copied seqs rows 0..k-1, filling newcomers from the pool; returns each seq's row (None: not copied).
+
+        `finals[i]` is the most positions seqs[i] can ever hold (prompt + max_new_tokens). Rows are
+        sized for it, not for the current length, so a growing row never forces a new layout (which
+        refills every row from the pool); only a longer newcomer, or the long rows leaving, does.
         """
-        n, bs = len(seqs), self.pool.block_size
-        need = max(max(lengths), max(len(s.block_table) * bs for s in seqs))
+        chosen = self._choose(finals) if self.capacity else []
+        if not chosen:
+            self.row_of = {}
+            return [None] * len(seqs)
+        need = self._round(max(finals[i] for i in chosen))
         # Grow to the longest row; shrink once the long rows are gone (at half use, so no thrashing).
-        if need > self.cap or (self.cap > self.granularity and 2 * need <= self.cap):
-            self._resize(need)
-        live = {s: None for s in seqs}
+        if need > self.cap or len(chosen) > self.rows or (self.cap > self.granularity and 2 * need <= self.cap):
+            self._layout(need)
+        assert self.buf is not None and self.keys is not None and self.values is not None
+        n = len(chosen)
+        live = {seqs[i]: None for i in chosen}
         kept = {s: r for s, r in self.row_of.items() if s in live}
         free = sorted(set(range(n)) - set(kept.values()), reverse=True)
         moves = []
@@ -242,32 +281,39 @@ class DecodeCache:
                 moves.append((r, kept[s]))
         # Newcomers take the lowest free rows longest first, so rows stay roughly sorted by length
         # and the runner can attend over short rows separately from long ones.
-        fills = sorted((s for s in seqs if s not in kept), key=lambda s: -s.num_computed)
+        fills = sorted((s for s in live if s not in kept), key=lambda s: -s.num_computed)
         for s in fills:
             kept[s] = free.pop()
         self.row_of = kept
+        dev = self.buf.device
         if moves:
-            src = torch.tensor([a for a, _ in moves], device=self.pool.layers[0].device)
-            dst = torch.tensor([b for _, b in moves], device=src.device)
-            for t in (*self.keys, *self.values):
-                t.index_copy_(0, dst, t.index_select(0, src))
+            src = torch.tensor([a for a, _ in moves], device=dev)
+            dst = torch.tensor([b for _, b in moves], device=dev)
+            self.buf.index_copy_(2, dst, self.buf.index_select(2, src))
         if fills:
             width = max(len(s.block_table) for s in fills)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in fills],
-                                  device=self.pool.layers[0].device)
-            rows = torch.tensor([kept[s] for s in fills], device=tables.device)
-            span = width * bs
-            for layer in range(len(self.keys)):
-                k, v = self.pool.gather(layer, tables)  # (F, n_kv, span, hd)
-                self.keys[layer][rows, :, :, :span] = k.transpose(2, 3)
-                self.values[layer][rows, :, :span] = v
-        return [kept[s] for s in seqs]
+            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in fills], device=dev)
+            span = min(width * self.pool.block_size, self.cap)
+            kv = self.pool.gather_all(tables)[:, :, :span]  # (L, F, span, 2, n_kv, hd)
+            rows = torch.tensor([kept[s] for s in fills], device=dev)
+            self.keys[:, rows, :, :, :span] = kv[:, :, :, 0].permute(0, 1, 3, 4, 2)
+            self.values[:, rows, :, :span] = kv[:, :, :, 1].permute(0, 1, 3, 2, 4)
+        return [kept.get(s) for s in seqs]
 
-    def write(self, layer: int, rows: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v (B, n_kv, hd) of rows (B,) at positions pos (B,)."""
-        self.keys[layer][rows, :, :, pos] = k
-        self.values[layer][rows, :, pos] = v
+    def write_index(self, pos: Tensor) -> Tensor:
+        """Flat indices (L, n * 2 * n_kv * hd) where rows 0..n-1 store their new KV at positions pos (n,)."""
+        assert self._base is not None and self._step is not None
+        n = pos.shape[0]
+        return (self._base[:, :n] + (pos.view(n, 1) * self._step).view(1, n, 2, 1, 1)).view(self._base.shape[0], -1)
 
-    def view(self, layer: int, start: int, end: int, span: int) -> tuple[Tensor, Tensor]:
-        """Transposed keys (n, n_kv, hd, span) and values (n, n_kv, span, hd) of rows start..end-1 (views)."""
-        return self.keys[layer][start:end, :, :, :span], self.values[layer][start:end, :, :span]
+    def write(self, index: Tensor, kv: Tensor) -> None:
+        """Store the stacked KV (n, 2, n_kv, hd) of rows 0..n-1 at one layer's `write_index` row."""
+        assert self.buf is not None
+        self.buf.put_(index, kv.reshape(-1))
+
+    def view(self, start: int, end: int, span: int) -> tuple[Tensor, Tensor]:
+        """Keys (L, n * n_kv, hd, span) and values (L, n * n_kv, span, hd) of rows start..end-1, every layer (views)."""
+        assert self.keys is not None and self.values is not None
+        L, n, kv, hd = self.keys.shape[0], end - start, self.pool.n_kv, self.pool.head_dim
+        return (self.keys[:, start:end, :, :, :span].view(L, n * kv, hd, span),
+                self.values[:, start:end, :, :span].view(L, n * kv, span, hd))

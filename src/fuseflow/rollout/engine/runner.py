@@ -2,10 +2,13 @@
 
 All new tokens of a step (one per decoding row, a chunk per prefilling row) are packed into one
 (N, hidden) matrix, so every linear layer runs once per step with no padding. Only attention is
-per-row: decoding rows attend over their gathered blocks in one SDPA call with a length mask;
-prefilling rows are padded to the longest chunk in a second call. The runner reads the weights
-of the `CausalLM` it was given on every call, so a trainer updating that model in place is seen
-at once (no copy).
+per-row: decoding rows held by the decode copy (`kv.DecodeCache`) attend over it in place, in a
+few batched matmuls over runs of rows of similar length; all other rows (prefill chunks, decoding
+rows the copy has no room for) attend over their blocks gathered from the pool, padded to the
+longest chunk, in one SDPA call. Per-step state (write indices, masks, views) is built once and
+shared by all layers, since on a CPU the count of small ops per layer costs as much as the
+attention itself. The runner reads the weights of the `CausalLM` it was given on every call, so
+a trainer updating that model in place is seen at once (no copy).
 """
 
 from __future__ import annotations
@@ -26,14 +29,66 @@ def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     The model's rotate_half(x) = cat(-x2, x1) equals roll(x, hd/2) with the first half negated;
     the sign is folded into the sin table, so the values are bit-identical with fewer ops.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
-def _residual_linear(h: Tensor, x: Tensor, linear: torch.nn.Linear) -> Tensor:
-    """h + linear(x) as one fused matmul-add when the layer has no bias."""
-    if linear.bias is None:
-        return torch.addmm(h, x, linear.weight.t())
-    return h + linear(x)
+class Linears:
+    """The runner's matmuls: y = x W^T + b, optionally fused with a residual add or a SiLU.
+
+    On CPU, PyTorch sends fp32 `F.linear` to MKL, which on this project's AMD machine ran a decode
+    step's small-M products (32 rows x 512 -> 1152) at ~55 GFLOPS; oneDNN's linear (the kernel
+    behind PyTorch's CPU compiler) ran the same products in full fp32 at ~150. `kernel="onednn"`
+    calls it on the model's own weight tensors (no copy, no packing kept: a trainer's in-place update
+    is seen at once); "torch" is plain `F.linear`; "auto" takes oneDNN where `onednn_available` says
+    it works (a CPU build with it, fp32 or bf16), else torch.
+    """
+
+    def __init__(self, kernel: str, device: torch.device, dtype: torch.dtype):
+        if kernel not in ("auto", "onednn", "torch"):
+            raise ValueError(f"linear kernel must be auto, onednn or torch, got {kernel!r}")
+        ok = onednn_available(device, dtype)
+        if kernel == "onednn" and not ok:
+            raise ValueError(f"linear kernel 'onednn' is not available for {device.type} / {dtype}; use auto or torch")
+        self.onednn = kernel == "onednn" or (kernel == "auto" and ok)
+
+    def __call__(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        return F.linear(x, layer.weight, layer.bias)
+
+    def silu(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
+        """silu(x W^T + b)."""
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "swish", [], "")
+        return F.silu(F.linear(x, layer.weight, layer.bias))
+
+    def add(self, h: Tensor, x: Tensor, layer: torch.nn.Linear) -> Tensor:
+        """h + x W^T + b, as one fused op (h is not modified)."""
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, h, layer.weight, layer.bias, "add")
+        if layer.bias is None:
+            return torch.addmm(h, x, layer.weight.t())
+        return h + F.linear(x, layer.weight, layer.bias)
+
+
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs here and agrees with `F.linear` (probed once per device/dtype)."""
+    key = (device.type, dtype)
+    if key not in _ONEDNN_PROBE:
+        ok = False
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+            try:
+                gen = torch.Generator().manual_seed(0)
+                x, w = torch.randn(3, 8, generator=gen).to(dtype), torch.randn(5, 8, generator=gen).to(dtype)
+                got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                ok = torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+            except (AttributeError, RuntimeError):
+                ok = False
+        _ONEDNN_PROBE[key] = ok
+    return _ONEDNN_PROBE[key]
+
+
+_ONEDNN_PROBE: dict[tuple, bool] = {}
 
 
 def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
@@ -72,31 +127,53 @@ def split_rows(lens: list[int], overhead: int = 256, depth: int = 2) -> list[tup
     return segments
 
 
-class ModelRunner:
-    """Runs `StepPlan`s on a `CausalLM` and owns the KV pool."""
+class _DecodeStep:
+    """Per-step state of the rows attended through the decode copy, shared by every layer.
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int):
+    m:        rows 0..m-1 of the step (the copy's rows 0..m-1)
+    index:    (L, m * 2 * n_kv * hd) where each layer's new keys and values go in the copy
+    q:        (m, H, hd) buffer the layer's rotated queries are copied into (contiguous, so views below work)
+    segments: (keys, values, q view, output view, bias) per run of rows attended over one key span:
+              keys (L, n * n_kv, hd, S) and values (L, n * n_kv, S, hd) views of the copy, q (n * n_kv, group, hd),
+              output (n * n_kv, group, hd) view of the step's attention output, bias (n * n_kv, 1, S)
+    """
+
+    def __init__(self, m: int, index: Tensor, q: Tensor, segments: list):
+        self.m, self.index, self.q, self.segments = m, index, q, segments
+
+
+class ModelRunner:
+    """Runs `StepPlan`s on a `CausalLM` and owns the KV pool and the decode copy."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                 decode_cache_tokens: int = 0, linear_kernel: str = "auto"):
         self.model = model
         c = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.linears = Linears(linear_kernel, self.device, self.dtype)
         self.block_size, self.n_heads, self.n_kv, self.head_dim = (block_size, c.num_attention_heads,
                                                                     c.num_key_value_heads, c.head_dim)
         self.pool = KVPool(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                            self.dtype, self.device)
-        self.decode_cache = DecodeCache(self.pool, max_num_seqs)
+        self.decode_cache = DecodeCache(self.pool, max_num_seqs, decode_cache_tokens, granularity=block_size)
         # The model computes the same element-wise rope tables per call; precomputing all positions
         # once gives bit-identical values and saves a few ops per layer per step.
         pos = torch.arange(c.max_position_embeddings, device=self.device)[None]
         cos, sin = rope_cos_sin(pos, rope_inv_freq(c, self.device), self.dtype)
         sign = torch.ones(c.head_dim, dtype=self.dtype, device=self.device)
         sign[: c.head_dim // 2] = -1
-        self.cos, self.sin = cos[0], sin[0] * sign  # (max_pos, hd); sin carries rotate_half's sign
+        self.cos_sin = torch.stack((cos[0], sin[0] * sign), dim=1)  # (max_pos, 2, hd); sin carries rotate_half's sign
 
     def _inputs(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
         bs, ids, pos, slots = self.block_size, [], [], []
         for seq, t in plan.rows:
             start, table = seq.num_computed, seq.block_table
+            if t == 1:
+                ids.append(seq.tokens[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                continue
             ids += seq.tokens[start : start + t]
             rng = range(start, start + t)
             pos += rng
@@ -110,87 +187,95 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, plan: StepPlan) -> Tensor:
-        """Logits (R, V) in fp32 of the last token of every row that `completes`, in row order."""
+        """Logits (R, V) in fp32 of the last token of every row that `completes`, in row order.
+
+        Decoding rows held by the decode copy come first (the plan's rows are reordered to match
+        the copy's rows); every other row (prefill chunks, decoding rows the copy has no room for)
+        attends over its blocks gathered from the pool.
+        """
         dev, H, hd = self.device, self.n_heads, self.head_dim
         n_dec = 0  # decoding rows come first
         while n_dec < len(plan.rows) and plan.rows[n_dec][1] == 1 and plan.completes[n_dec]:
             n_dec += 1
-        dec_meta = self._decode_meta(plan, n_dec) if n_dec else None  # may reorder the decoding rows
-        pre = plan.rows[n_dec:]
-        pre_meta = self._prefill_meta(pre) if pre else None
+        n = sum(t for _, t in plan.rows)
+        o = torch.empty(n, H * hd, dtype=self.dtype, device=dev)  # attention output, reused by every layer
+        dec = self._decode_step(plan, n_dec, o) if n_dec else None  # may reorder the decoding rows
+        m = dec.m if dec is not None else 0
+        paged = plan.rows[m:]
+        pre_meta = self._prefill_meta(paged) if paged else None
         ids, pos, slots = self._inputs(plan)
-        n = len(ids)
-        pos_t = torch.tensor(pos, device=dev)
         slots_t = torch.tensor(slots, device=dev)
-        cos, sin = self.cos[pos_t].unsqueeze(1), self.sin[pos_t].unsqueeze(1)  # (N, 1, hd)
+        cs = self.cos_sin[torch.tensor(pos, device=dev)]  # (N, 2, hd)
+        cos, sin = cs[:, :1], cs[:, 1:]  # (N, 1, hd)
 
-        m = self.model.model
-        h = m.embed_tokens(torch.tensor(ids, device=dev))  # (N, D)
-        dec_pos, dec_rows = pos_t[:n_dec], torch.arange(n_dec, device=dev)
-        for li, layer in enumerate(m.layers):
+        mdl, lin = self.model.model, self.linears
+        h = mdl.embed_tokens(torch.tensor(ids, device=dev))  # (N, D)
+        for li, layer in enumerate(mdl.layers):
             a = layer.self_attn
             x = _norm(layer.input_layernorm, h)
-            q = a.q_proj(x).view(n, H, hd)
-            k = a.k_proj(x).view(n, self.n_kv, hd)
-            v = a.v_proj(x).view(n, self.n_kv, hd)
+            q = lin(x, a.q_proj).view(n, H, hd)
+            k = lin(x, a.k_proj).view(n, self.n_kv, hd)
+            v = lin(x, a.v_proj).view(n, self.n_kv, hd)
             if hasattr(a, "q_norm"):
                 q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
-            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # one rotation for queries and keys
-            q, k = qk[:, :H], qk[:, H:]
-            self.pool.write(li, slots_t, k, v)
-            parts = []
-            if dec_meta is not None:
-                self.decode_cache.write(li, dec_rows, dec_pos, k[:n_dec], v[:n_dec])
-                parts.append(self._attend_decode(li, q[:n_dec], dec_meta))
+            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # (N, H + n_kv, hd): one rotation for queries and keys
+            kv = torch.stack((qk[:, H:], v), dim=1)  # (N, 2, n_kv, hd)
+            self.pool.write_kv(li, slots_t, kv)
+            if dec is not None:
+                self._attend_decode(li, qk, kv, dec)  # fills o[:m]
             if pre_meta is not None:
-                parts.append(self._attend_prefill(li, q[n_dec:], k[n_dec:], v[n_dec:], pre_meta))
-            o = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, H * hd)
-            h = _residual_linear(h, o, a.o_proj)
+                o[m:] = self._attend_prefill(li, qk[m:, :H], kv[m:, 0], kv[m:, 1], pre_meta)
+            h = lin.add(h, o, a.o_proj)
             mlp, x = layer.mlp, _norm(layer.post_attention_layernorm, h)
-            h = _residual_linear(h, F.silu(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj)
-        last, end = [], 0
-        for (_, t), done in zip(plan.rows, plan.completes, strict=True):
-            end += t
-            if done:
-                last.append(end - 1)
-        h = _norm(m.norm, h[torch.tensor(last, device=dev)])
-        return self.model.lm_head(h).float()
+            h = lin.add(h, lin.silu(x, mlp.gate_proj) * lin(x, mlp.up_proj), mlp.down_proj)
+        if n > len(plan.rows) or not all(plan.completes):  # keep the last token of completing rows only
+            last, end = [], 0
+            for (_, t), done in zip(plan.rows, plan.completes, strict=True):
+                end += t
+                if done:
+                    last.append(end - 1)
+            h = h[torch.tensor(last, device=dev)]
+        return lin(_norm(mdl.norm, h), self.model.lm_head).float()
 
     # ---------------------------------------------------------------------------------- attention
-    def _decode_meta(self, plan: StepPlan, n_dec: int) -> list[tuple[int, int, int, Tensor]]:
+    def _decode_step(self, plan: StepPlan, n_dec: int, o: Tensor) -> _DecodeStep | None:
         rows = plan.rows[:n_dec]
-        lens = [seq.num_computed + 1 for seq, _ in rows]
-        slot = self.decode_cache.sync([seq for seq, _ in rows], lens)
-        # Put the decoding rows in the order of their cache rows, so row i reads cache row i.
-        order = sorted(range(n_dec), key=slot.__getitem__)
-        plan.rows[:n_dec] = [rows[i] for i in order]
-        lens = [lens[i] for i in order]
+        lens = [seq.num_computed + 1 for seq, _ in rows]  # positions after this step
+        slot = self.decode_cache.sync([seq for seq, _ in rows], [seq.max_len for seq, _ in rows])
+        # Rows in the copy first, in the order of their copy rows (row i reads copy row i); the rest after.
+        held = sorted((i for i in range(n_dec) if slot[i] is not None), key=slot.__getitem__)
+        plan.rows[:n_dec] = [rows[i] for i in held] + [rows[i] for i in range(n_dec) if slot[i] is None]
+        m = len(held)
+        if not m:
+            return None
+        lens = [lens[i] for i in held]
+        dev, kv, hd = self.device, self.n_kv, self.head_dim
+        index = self.decode_cache.write_index(torch.tensor(lens, device=dev) - 1)
+        q = torch.empty(m, self.n_heads, hd, dtype=self.dtype, device=dev)
         segments = []
         for a, b in split_rows(lens):
-            span = max(lens[a:b])
-            lens_t = torch.tensor(lens[a:b], device=self.device)
-            bias = torch.zeros(b - a, span, dtype=self.dtype, device=self.device)
-            bias.masked_fill_(torch.arange(span, device=self.device)[None] >= lens_t[:, None], float("-inf"))
+            span, rows_n = max(lens[a:b]), b - a
+            lens_t = torch.tensor(lens[a:b], device=dev)
+            bias = torch.zeros(rows_n, span, dtype=self.dtype, device=dev)
+            bias.masked_fill_(torch.arange(span, device=dev)[None] >= lens_t[:, None], float("-inf"))
             # (rows * n_kv, 1, S): 0 where a key exists, -inf past the row's end; the same for every layer.
-            segments.append((a, b, span, bias[:, None].expand(b - a, self.n_kv, span).reshape(-1, 1, span)))
-        return segments
+            bias = bias[:, None].expand(rows_n, kv, span).reshape(-1, 1, span)
+            keys, values = self.decode_cache.view(a, b, span)
+            segments.append((keys, values, q[a:b].view(rows_n * kv, -1, hd), o[a:b].view(rows_n * kv, -1, hd), bias))
+        return _DecodeStep(m, index, q, segments)
 
-    def _attend_decode(self, layer: int, q: Tensor, segments: list) -> Tensor:
-        """Decoding rows, each segment of rows over its own key span, reading the cache in place."""
-        outs = []
-        for a, b, span, bias in segments:
-            kt, v = self.decode_cache.view(layer, a, b, span)  # (n, n_kv, hd, S), (n, n_kv, S, hd): no copy
-            n, n_kv = b - a, self.n_kv
-            if q.device.type == "cpu":
-                # Grouped-query attention as two batched matmuls per kv head: each head's keys are read
-                # once for all its query heads, measured faster than CPU SDPA for one query per row.
-                qg = q[a:b].reshape(n * n_kv, -1, self.head_dim)  # (n*kv, group, hd)
-                scores = torch.baddbmm(bias, qg, kt.reshape(n * n_kv, -1, span), alpha=self.head_dim ** -0.5)
-                outs.append(torch.bmm(scores.softmax(-1), v.reshape(n * n_kv, span, -1)).view(n, -1))
-            else:
-                mask = (bias.view(n, n_kv, span)[:, :1] == 0)[:, None]  # (n, 1, 1, S)
-                outs.append(attend(q[a:b].unsqueeze(2), kt.transpose(2, 3), v, mask, is_causal=False).view(n, -1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def _attend_decode(self, layer: int, qk: Tensor, kv: Tensor, dec: _DecodeStep) -> None:
+        """Store the copied rows' new KV in the copy and attend over it in place, writing o[:m].
+
+        Grouped-query attention as two batched matmuls per run of rows: each kv head's keys are read
+        once for all its query heads (measured faster on CPU than SDPA for one query per row).
+        """
+        m = dec.m
+        self.decode_cache.write(dec.index[layer], kv[:m])
+        dec.q.copy_(qk[:m, : self.n_heads])
+        for keys, values, q, out, bias in dec.segments:
+            scores = torch.baddbmm(bias, q, keys[layer], alpha=self.head_dim ** -0.5)  # (n * n_kv, group, S)
+            torch.bmm(scores.softmax(-1), values[layer], out=out)
 
     def _prefill_meta(self, rows: list[tuple]) -> dict:
         starts = [seq.num_computed for seq, _ in rows]

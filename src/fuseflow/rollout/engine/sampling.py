@@ -26,7 +26,7 @@ def sample_tokens(logits: Tensor, seqs: list[Sequence]) -> tuple[list[int], list
     temps = [p.temperature for p in params]
     scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev).unsqueeze(-1)
     logp = scaled.log_softmax(-1)  # (B, V)
-    u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(dev)  # (B,) one draw per token
+    u = torch.tensor([s.next_uniform() for s in seqs], device=dev)  # (B,) one draw per token
     greedy = [p.greedy for p in params]
     if all(greedy):
         token = logits.argmax(-1)

@@ -51,7 +51,7 @@ class Sequence:
 
     __slots__ = ("request", "params", "tokens", "num_prompt", "logprobs", "generator", "block_table",
                  "block_hashes", "num_computed", "leader", "followers", "order", "t_submit", "t_first_token",
-                 "policy_version", "stop_set", "max_len", "prefill_len")
+                 "policy_version", "stop_set", "max_len", "prefill_len", "_uniforms", "_drawn_from", "_used")
 
     def __init__(self, request: RolloutRequest, partial: PartialState | None = None):
         self.request, self.params = request, request.params
@@ -59,6 +59,9 @@ class Sequence:
         self.num_prompt = len(self.tokens)
         self.logprobs: list[float] = []
         self.generator = torch.Generator().manual_seed(self.params.seed)
+        self._uniforms: list[float] = []  # drawn ahead from generator; _used of them consumed
+        self._drawn_from: torch.Tensor | None = None  # generator state before that draw
+        self._used = 0
         self.policy_version: int | None = None
         self.t_first_token: float | None = None
         if partial is not None:
@@ -86,7 +89,31 @@ class Sequence:
     def response(self) -> list[int]:
         return self.tokens[self.num_prompt :]
 
+    def next_uniform(self) -> float:
+        """The next U[0, 1) draw of this sample's generator (one per sampled token).
+
+        Draws come in chunks, one `torch.rand(n)` call instead of n scalar calls per step (the same
+        stream: CPU `rand(n)` equals n scalar draws, pinned by a test); `rng_state` rewinds to the
+        exact draw count, so an exported state continues where the tokens stopped.
+        """
+        if self._used == len(self._uniforms):
+            self._drawn_from = self.generator.get_state()
+            n = min(64, max(1, self.max_len - len(self.tokens)))
+            self._uniforms, self._used = torch.rand(n, generator=self.generator).tolist(), 0
+        self._used += 1
+        return self._uniforms[self._used - 1]
+
+    def rng_state(self) -> bytes:
+        """Generator state after exactly the draws consumed so far (`torch.Generator.get_state()` bytes)."""
+        gen = self.generator
+        if self._used < len(self._uniforms) and self._drawn_from is not None:
+            gen = torch.Generator()
+            gen.set_state(self._drawn_from)
+            if self._used:
+                torch.rand(self._used, generator=gen)
+        return gen.get_state().numpy().tobytes()
+
     def to_partial(self) -> PartialState:
-        state = None if not self.logprobs else self.generator.get_state().numpy().tobytes()
+        state = None if not self.logprobs else self.rng_state()
         return PartialState(self.request, self.response, list(self.logprobs), state, self.policy_version,
                             self.t_first_token)
