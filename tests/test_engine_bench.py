@@ -52,6 +52,7 @@ def test_bench_rollout_command_writes_the_json_schema(tmp_path) -> None:
         assert w["speedup"] == pytest.approx(w["fuseflow_tok_s"] / w["hf_tok_s"]) == pytest.approx(w["speedup_cpu"])
         assert w["timer"] == "cpu" and len(w["fuseflow_wall_s"]) == len(w["hf_cpu_s"]) == 1
         assert w["fuseflow_tok_s"] > 0 and w["hf_tok_s"] > 0
+        assert w["speedup_torch_linear"] == pytest.approx(w["fuseflow_torch_linear_tok_s"] / w["hf_tok_s"])
     groups = data["workloads"]["groups"]
     assert groups["prefill_tokens_computed"] * 8 == groups["prefill_tokens_requested"]
     bad = CliRunner().invoke(app, ["rollout", "--out", str(out), "--model", "huge"])

@@ -154,8 +154,9 @@ def test_linears_match_plain_torch_with_and_without_onednn() -> None:
     from fuseflow.rollout.engine.runner import Linears, onednn_available
 
     gen = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(16, 8, bias=True)
-    x, h = torch.randn(5, 16, generator=gen), torch.randn(5, 8, generator=gen)
+    layer = torch.nn.Linear(256, 128, bias=True)  # 50 rows x 256 x 128 is above the oneDNN size threshold
+    x, h = torch.randn(50, 256, generator=gen), torch.randn(50, 128, generator=gen)
+    assert 50 * 256 * 128 >= Linears.ONEDNN_MIN_MACS
     h0 = h.clone()
     with torch.no_grad():
         want = torch.nn.functional.linear(x, layer.weight, layer.bias)

@@ -37,11 +37,14 @@ class Linears:
 
     On CPU, PyTorch sends fp32 `F.linear` to MKL, which on this project's AMD machine ran a decode
     step's small-M products (32 rows x 512 -> 1152) at ~55 GFLOPS; oneDNN's linear (the kernel
-    behind PyTorch's CPU compiler) ran the same products in full fp32 at ~150. `kernel="onednn"`
-    calls it on the model's own weight tensors (no copy, no packing kept: a trainer's in-place update
-    is seen at once); "torch" is plain `F.linear`; "auto" takes oneDNN where `onednn_available` says
-    it works (a CPU build with it, fp32 or bf16), else torch.
+    behind PyTorch's CPU compiler) ran the same products in full fp32 at ~150, but costs ~25 us more
+    per call, so products under `ONEDNN_MIN_MACS` stay on torch (measured break-even). oneDNN is
+    called on the model's own weight tensors (no copy, nothing packed and kept: a trainer's in-place
+    update is seen at once). `kernel`: "onednn" or "auto" (oneDNN where `onednn_available` says it
+    works: a CPU build with it, fp32 or bf16), "torch" (plain `F.linear` always).
     """
+
+    ONEDNN_MIN_MACS = 1_500_000  # rows x in x out below which torch's call is cheaper
 
     def __init__(self, kernel: str, device: torch.device, dtype: torch.dtype):
         if kernel not in ("auto", "onednn", "torch"):
@@ -51,20 +54,23 @@ class Linears:
             raise ValueError(f"linear kernel 'onednn' is not available for {device.type} / {dtype}; use auto or torch")
         self.onednn = kernel == "onednn" or (kernel == "auto" and ok)
 
+    def _dnnl(self, x: Tensor, w: Tensor) -> bool:
+        return self.onednn and x.shape[0] * w.shape[0] * w.shape[1] >= self.ONEDNN_MIN_MACS
+
     def __call__(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
-        if self.onednn:
+        if self._dnnl(x, layer.weight):
             return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
 
     def silu(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
         """silu(x W^T + b)."""
-        if self.onednn:
+        if self._dnnl(x, layer.weight):
             return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "swish", [], "")
         return F.silu(F.linear(x, layer.weight, layer.bias))
 
     def add(self, h: Tensor, x: Tensor, layer: torch.nn.Linear) -> Tensor:
         """h + x W^T + b, as one fused op (h is not modified)."""
-        if self.onednn:
+        if self._dnnl(x, layer.weight):
             return torch.ops.mkldnn._linear_pointwise.binary(x, h, layer.weight, layer.bias, "add")
         if layer.bias is None:
             return torch.addmm(h, x, layer.weight.t())
