@@ -48,3 +48,15 @@ def test_bad_placements_name_the_key(overrides, message):
 def test_reference_may_use_fewer_ranks_than_its_pool():
     p = resolve_placement({}, {"actor": "main", "reference": "main"}, {"actor": 2, "reference": 1})
     assert p.pools["main"].size == 2 and p.dp["reference"] == 1
+
+
+def test_unreachable_ray_address_is_a_one_line_error_before_any_training(tmp_path):
+    from typer.testing import CliRunner
+
+    from fuseflow.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--output", str(tmp_path / "run"), f"cache_dir={tmp_path}",
+                                      "backend=ray", "ray.address=127.0.0.1:1", "task.train_size=50"])
+    assert result.exit_code == 2, result.output
+    assert "ray.address=127.0.0.1:1: no Ray cluster reachable there" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "sft").exists()  # failed before the SFT

@@ -22,7 +22,11 @@ from safetensors.torch import load_file, save_file
 
 def save_optimizer(opt: torch.optim.Optimizer, prefix: Path) -> None:
     """``prefix.safetensors`` (per-param tensors) + ``prefix.json`` (param groups, scalar state)."""
-    sd = opt.state_dict()
+    save_optimizer_state(opt.state_dict(), prefix)
+
+
+def save_optimizer_state(sd: dict, prefix: Path) -> None:
+    """Write an optimizer ``state_dict()`` (e.g. one gathered from FSDP shards) as ``save_optimizer`` does."""
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
@@ -35,13 +39,18 @@ def save_optimizer(opt: torch.optim.Optimizer, prefix: Path) -> None:
 
 
 def load_optimizer(opt: torch.optim.Optimizer, prefix: Path) -> None:
+    opt.load_state_dict(load_optimizer_state(prefix))
+
+
+def load_optimizer_state(prefix: Path) -> dict:
+    """The optimizer ``state_dict()`` that ``save_optimizer`` wrote at ``prefix``."""
     meta = json.loads(prefix.with_suffix(".json").read_text())
     tensors = load_file(str(prefix.with_suffix(".safetensors")))
     state: dict[int, dict] = {}
     for key, v in list(tensors.items()) + list(meta["scalars"].items()):
         pid, name = key.split(".", 1)
         state.setdefault(int(pid), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
@@ -64,11 +73,13 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, models: dict, optimizers: dict[str, torch.optim.Optimizer],
-                    state: dict, tokenizer=None) -> Path:
+                    state: dict, tokenizer=None, writers: list | None = None) -> Path:
     """Write ``checkpoints/step_{step}`` atomically and point ``checkpoints/latest`` at it.
 
     ``models`` maps a name to an object with ``save_pretrained(dir)`` (our HF-compatible models);
     ``tokenizer``, when given, is saved beside the actor so the checkpoint is a complete HF model.
+    ``writers`` are callables ``writer(dir)`` that write their own part into the checkpoint
+    directory before it is renamed into place (worker groups saving from their own processes).
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -83,6 +94,8 @@ def save_checkpoint(run_dir: Path, step: int, models: dict, optimizers: dict[str
         tokenizer.save_pretrained(str(tmp / "actor"))
     for name, opt in optimizers.items():
         save_optimizer(opt, tmp / f"optim_{name}")
+    for write in writers or []:
+        write(tmp)
     rng_tensors, rng_plain = rng_state()
     save_file(rng_tensors, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_plain}))

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from fuseflow.config import ConfigError, load_config, load_run_config, preset_names
+from fuseflow.controller.group import WorkerFailure
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="RL post-training of language models (GRPO, PPO) with fine-grained scheduling.")
@@ -34,9 +35,10 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _user_errors():
+    from fuseflow.controller.ray_backend import ClusterError
     from fuseflow.tasks import DataError, RewardError
 
-    return (ConfigError, DataError, RewardError, FileNotFoundError, ValueError)
+    return (ConfigError, DataError, RewardError, FileNotFoundError, ValueError, ClusterError)
 
 
 @config_app.command("show")
@@ -72,6 +74,8 @@ def train(overrides: list[str] = OVERRIDES, preset: str = PRESET,
         _interrupted(run_dir)
     except _user_errors() as e:
         fail(str(e))
+    except WorkerFailure as e:  # names the role, rank and last checkpoint; not the user's input: exit 1
+        fail(str(e), code=1)
 
 
 def _interrupted(run_dir: Path) -> None:
@@ -164,6 +168,7 @@ def presets() -> None:
 
 def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
+    from fuseflow.bench.controller import register as register_controller
     from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
@@ -175,6 +180,7 @@ def _register_plugins() -> None:
     register_pipeline(bench_app)
     register_rollout(bench_app)
     register_trl(bench_app)
+    register_controller(bench_app)
 
 
 _register_plugins()

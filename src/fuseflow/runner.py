@@ -17,7 +17,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from fuseflow.checkpoint import latest_checkpoint
 from fuseflow.config import Config
+from fuseflow.controller.group import WorkerFailure
 from fuseflow.telemetry.metrics import read_metrics
 from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
 from fuseflow.trainer import RLTrainer
@@ -43,7 +45,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with make_progress(console) as progress:
         trainer = RLTrainer(cfg, run_dir, resume=resume, log=console.print, progress=progress)
         try:
-            (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model.config.to_hf_dict(), indent=1))
+            (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model_config(), indent=1))
             if not any(e["step"] == 0 for e in trainer.evals):
                 ev = trainer.evaluate(0)
                 console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
@@ -60,6 +62,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                     f"{m['perf/tokens_per_second']:.0f} tok/s"))
                 if stop_after is not None and step >= stop_after:
                     break
+        except WorkerFailure as e:  # a worker died or a collective timed out: say what survives
+            ckpt = latest_checkpoint(run_dir)
+            kept = f"last checkpoint: {ckpt.name}" if ckpt else "no checkpoint had been written yet"
+            raise e.noted(f"{kept}; resume with: fuseflow train --resume {run_dir}") from None
         finally:
             trainer.close()
     summary = summarize(run_dir, trainer.evals, cfg, trainer.sft_curve)

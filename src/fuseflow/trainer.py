@@ -1,9 +1,14 @@
-"""The RL controller program, run in-process with the ``local`` layout.
+"""The RL controller program: one process drives the role worker groups.
 
 ``RLTrainer.step`` is the whole algorithm on one screen: generate, score, infer,
 advantages, train, sync weights, each phase timed as a span in ``trace.json``. The
 eight algorithms (``algorithm.name``) share it: each is a ``Recipe`` (see
 ``fuseflow.recipes``) naming its registered estimator and the roles it needs.
+
+Each role (actor, reference, critic, reward) is a ``WorkerGroup`` built on the configured
+backend: ``local`` runs each role once in this process (plain method calls), ``ray`` runs
+it on a pool of worker processes, data-parallel with FSDP when ``<role>.dp > 1``. The
+program is the same on both; distribution lives in ``fuseflow.controller``.
 Everything else here is set-up, checkpointing and bookkeeping around it.
 """
 
@@ -14,19 +19,24 @@ import json
 import math
 import shutil
 import time
+import uuid
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fuseflow.algorithms import kl_penalty, masked_mean
-from fuseflow.checkpoint import latest_checkpoint, load_optimizer, read_state, save_checkpoint
+from fuseflow.checkpoint import latest_checkpoint, read_state, save_checkpoint
 from fuseflow.config import Config
+from fuseflow.controller.cluster import make_cluster
+from fuseflow.controller.group import Future, WorkerGroup
 from fuseflow.data.batch import Batch, unpad
 from fuseflow.data.tokenizer import load_tokenizer
-from fuseflow.evaluate import decode_response, encode_prompts, evaluate
-from fuseflow.heldout import cost_rate, greedy_responses, preference_eval, sampled_responses
-from fuseflow.models import CausalLM, ValueModel, resolve_device
+from fuseflow.evaluate import decode_response, encode_prompts
+from fuseflow.models import resolve_device
 from fuseflow.recipes import (
     LagrangeMultiplier,
     compute_advantages,
@@ -38,16 +48,17 @@ from fuseflow.recipes import (
 )
 from fuseflow.reward_model import RewardModel
 from fuseflow.rollout.base import RolloutRequest, SamplingParams
-from fuseflow.rollout.sampler import Sampler, make_requests
+from fuseflow.rollout.sampler import make_requests
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
 from fuseflow.telemetry import MetricsLogger, Tracer
 from fuseflow.workers.actor import ActorWorker, ReferenceWorker
+from fuseflow.workers.build import RoleContext, build_actor, build_critic, build_reference, build_reward
 from fuseflow.workers.common import samples_to_batch
 from fuseflow.workers.critic import CriticWorker
 from fuseflow.workers.reward import RewardOutput, RewardWorker
 
-EVAL_SAMPLES = 4  # sampled responses per held-out prompt when judging a reward-model run
+CRITIC_PREFIX = {"critic": "", "cost_critic": "cost_"}  # the batch fields each critic reads and fills
 
 
 class PromptStream:
@@ -79,14 +90,20 @@ class RLTrainer:
         self.train_prompts = self.task.train_prompts()
         self.train_ids = encode_prompts(self.tokenizer, self.train_prompts, cfg.model.max_prompt_len)
         self.eval_prompts = self.task.eval_prompts()[: cfg.trainer.eval_size]
-        self._setup_models(resume)
+        # Started first, so a wrong ray.address fails before minutes of SFT.
+        self.cluster = make_cluster(cfg, run_name=f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
+        try:
+            self._setup_workers(resume)
+        except BaseException:
+            self.cluster.shutdown()
+            raise
         self.tracer = Tracer(self.run_dir / "trace.json")
         self.metrics = MetricsLogger(self.run_dir, resume_step=self.start_step if resume else None)
         if resume:
             self.tracer.drop_after(self.start_step)
 
     # ----------------------------------------------------------------- set-up
-    def _setup_models(self, resume: bool) -> None:
+    def _setup_workers(self, resume: bool) -> None:
         cfg, ref_dir = self.cfg, self.run_dir / "reference"
         # Load the reward model first: a wrong reward.model path should fail before minutes of SFT.
         rm = (RewardModel.load(cfg.reward.model, self.device, self.dtype, cfg.reward.batch_size)
@@ -104,27 +121,20 @@ class RLTrainer:
             ref_dir.with_suffix(".tmp").rename(ref_dir)
         self.sft_curve = json.loads((ref_dir / "sft_curve.json").read_text())
         ckpt = latest_checkpoint(self.run_dir) if resume else None
-        actor_dir = ckpt / "actor" if ckpt else ref_dir
-        actor = CausalLM.from_pretrained(actor_dir).to(self.device)
-        reference = CausalLM.from_pretrained(ref_dir).to(self.device)
-        t, a = cfg.trainer, cfg.algorithm
-        norm_len = cfg.model.max_response_len
-        self.actor = ActorWorker(actor, self._rollout_backend(actor), self.device, self.dtype, a, t,
-                                 cfg.rollout.temperature, norm_len)
-        self.reference = ReferenceWorker(reference, self.device, self.dtype, cfg.rollout.temperature,
-                                         t.micro_batch_size)
-        self.reward = RewardWorker(self.task, rm, cfg.reward.fn_weight, cfg.reward.model_weight)
+        a = cfg.algorithm
         if self.recipe.cost_critic and not self.task.has_cost:
             raise ValueError(f"algorithm.name={a.name} needs a task with a cost; task {self.task.name!r} has none")
-
-        def critic(name: str, prefix: str) -> CriticWorker:
-            model = (ValueModel.from_pretrained(ckpt / name) if ckpt
-                     else ValueModel.from_causal_lm(CausalLM.from_pretrained(ref_dir)))
-            return CriticWorker(model.to(self.device), self.device, self.dtype, a, t, norm_len, prefix, name)
-
-        self.critic = critic("critic", "") if self.recipe.critic else None
-        self.cost_critic = critic("cost_critic", "cost_") if self.recipe.cost_critic else None
-        self.critics = [c for c in (self.critic, self.cost_critic) if c]
+        # In-process workers reuse the loaded reward model; remote ones load their own from reward.model.
+        ctx = RoleContext(cfg, ref_dir, ckpt, self.task, rm if cfg.backend == "local" else None)
+        group = self.cluster.group
+        self.actor: WorkerGroup = group("actor", ActorWorker, partial(build_actor, ctx))
+        self.reference: WorkerGroup = group("reference", ReferenceWorker, partial(build_reference, ctx))
+        self.reward: WorkerGroup = group("reward", RewardWorker, partial(build_reward, ctx))
+        self.has_reward_model = rm is not None
+        self.critics: list[WorkerGroup] = [  # safe_ppo's cost critic shares the critic's pool and dp
+            group(name, CriticWorker, partial(build_critic, ctx, name=name, prefix=CRITIC_PREFIX[name]),
+                  placed_as="critic")
+            for name, wanted in (("critic", self.recipe.critic), ("cost_critic", self.recipe.cost_critic)) if wanted]
         self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
                          else None)
         self.kl_ctl = kl_controller(a)  # fixed kl_coef, or adaptive toward algorithm.kl_target
@@ -137,43 +147,21 @@ class RLTrainer:
             if self.lagrange:
                 self.lagrange.value = state["lagrange"]
             self.kl_ctl.value = state.get("kl_coef", self.kl_ctl.value)
-            for worker in self.trainable_workers():
-                load_optimizer(worker.optimizer, ckpt / f"optim_{worker.role}")
-            self.log(f"Resumed from {ckpt} (step {self.start_step})")
+            self.log(f"Resumed from {ckpt} (step {self.start_step})")  # the workers loaded models and optimizers
 
-    def trainable_workers(self) -> list:
+    def trainable_groups(self) -> list[WorkerGroup]:
         return [self.actor, *self.critics]
 
-    def _rollout_backend(self, actor: CausalLM):
-        """The configured rollout backend over the actor's own weights (in-process: no copy, except hf)."""
-        r, pad = self.cfg.rollout, self.tokenizer.pad_token_id
-        if r.backend == "engine":
-            from fuseflow.rollout.engine import Engine, EngineConfig
-
-            return Engine(actor, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
-                          tokenizer=self.tokenizer)
-        if r.backend == "hf":
-            from fuseflow.rollout.hf_backend import HFBackend
-
-            return HFBackend(actor, pad_id=pad, batch_size=r.max_num_seqs)
-        return Sampler(actor, pad)
+    def worker_seconds(self) -> float:
+        """Seconds the workers have spent computing so far (the slowest rank of each call)."""
+        return sum(g.compute_seconds for g in (self.actor, self.reference, self.reward, *self.critics))
 
     # ------------------------------------------------------------ the RL step
     def step(self, step: int) -> dict[str, float]:
         """One RL iteration: generate, score, infer, advantages, train, sync weights."""
         cfg, span = self.cfg, self.tracer.span
-        t0 = time.perf_counter()
-        batch, metrics = self.rollout(step)  # spans generate + reward; dapo's dynamic sampling draws more
-        if self.recipe.greedy_baseline:
-            with span("greedy_baseline", step):
-                batch["baseline_scores"] = self.greedy_baseline(batch, step)
-        with span("old_logprob", step):
-            batch["old_logprobs"] = self.actor.compute_logprobs(batch)
-        with span("reference", step):
-            batch["ref_logprobs"] = self.reference.compute_logprobs(batch)
-        for critic in self.critics:  # reward critic: "values"; safe_ppo's cost critic: "cost_values"
-            with span(f"{critic.prefix}values", step):
-                batch[f"{critic.prefix}values"] = critic.compute_values(batch)
+        t0, busy0 = time.perf_counter(), self.worker_seconds()
+        batch, metrics = self.make_experience(step)  # generate, reward, old/ref log-probs, values
         with span("advantages", step):
             lagrange = self.lagrange.update(float(batch["costs"].nanmean())) if self.lagrange else None
             kl_coef = self.kl_ctl.value  # this step's; the controller then moves it for the next one
@@ -187,21 +175,56 @@ class RLTrainer:
             warnings.warn(f"step {step}: the reward function returned NaN for "
                           f"{int(torch.isnan(batch['scores']).sum())} samples; skipping this update", stacklevel=2)
             metrics["train/skipped_update"] = 1.0
-        else:
-            for critic in self.critics:
-                with span(f"{critic.role}_update", step):
-                    metrics |= critic.update(batch, lr(cfg.trainer.critic_lr), seed=cfg.seed + 7 * step)
-            with span("actor_update", step):
-                metrics |= self.actor.update(batch, lr(cfg.trainer.lr), kl_coef, seed=cfg.seed + step)
+        else:  # critics, then the actor: on pools of their own (split placement) they train side by side
+            updates = {f"{c.role}_update": partial(c.update.future, batch, lr(cfg.trainer.critic_lr),
+                                                   seed=cfg.seed + 7 * step) for c in self.critics}
+            updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
+                                              seed=cfg.seed + step)
+            for m in self.overlap(step, updates).values():
+                metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
-            self.actor.rollout.update_weights(step)  # in-process: shared weights, the version moves on
-        seconds = time.perf_counter() - t0
+            self.actor.sync_weights(step)  # in-process: shared weights, the version moves on
+        seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())
         metrics |= {f"time/{name}": sec for name, sec in self.tracer.seconds_for(step).items()}
-        metrics |= {"time/step_seconds": seconds, "perf/samples_per_second": len(batch) / seconds,
+        metrics |= {"time/step_seconds": seconds, "time/worker_compute": busy,
+                    "time/controller_overhead": max(0.0, seconds - busy),
+                    "perf/samples_per_second": len(batch) / seconds,
                     "perf/tokens_per_second": n_tokens / seconds, "train/lr": lr(cfg.trainer.lr)}
         return metrics
+
+    def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """Generate, score and infer: the stages a scheduling strategy (fused, async) may take over."""
+        batch, metrics = self.rollout(step)  # spans generate + reward; dapo's dynamic sampling draws more
+        if self.recipe.greedy_baseline:
+            with self.tracer.span("greedy_baseline", step):
+                batch["baseline_scores"] = self.greedy_baseline(batch, step)
+        # Reward critic: "values"; safe_ppo's cost critic: "cost_values".
+        calls = {"old_logprob": partial(self.actor.compute_logprobs.future, batch),
+                 "reference": partial(self.reference.compute_logprobs.future, batch)}
+        calls |= {f"{CRITIC_PREFIX[c.role]}values": partial(c.compute_values.future, batch) for c in self.critics}
+        out = self.overlap(step, calls)
+        batch["old_logprobs"], batch["ref_logprobs"] = out.pop("old_logprob"), out.pop("reference")
+        for key, values in out.items():
+            batch[key] = values
+        return batch, metrics
+
+    def overlap(self, step: int, calls: dict[str, Callable[[], Future]]) -> dict[str, Any]:
+        """Start every call, then collect each: on Ray, groups on different pools compute at the same time.
+
+        Each call's span covers its start and its wait (in-process calls run as they start);
+        colocated groups share processes, so their calls still run one after another.
+        """
+        futures = {}
+        for name, start in calls.items():
+            with self.tracer.span(name, step):
+                futures[name] = start()
+        out = {}
+        for name, future in futures.items():
+            with self.tracer.span(name, step):
+                out[name] = future.result()
+        return out
 
     @property
     def sampling(self) -> SamplingParams:
@@ -323,38 +346,28 @@ class RLTrainer:
 
     # ------------------------------------------------------------ bookkeeping
     def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out greedy accuracy (and cost); with a reward model, RM score and gold win rate vs SFT."""
         with self.tracer.span("evaluate", step):
-            ev = evaluate(self.actor.model, self.tokenizer, self.task, self.eval_prompts, self.cfg.model.max_prompt_len,
-                          self.cfg.model.max_response_len)
-            if self.task.has_cost:  # greedy, like accuracy
-                greedy = greedy_responses(self.actor.model, self.tokenizer, self.eval_prompts,
-                                          self.cfg.model.max_prompt_len, self.cfg.model.max_response_len)
-                ev["cost"] = cost_rate(self.task, self.eval_prompts, greedy)
-            if self.reward.model is not None:  # sampled and paired by seed with the SFT model's samples
+            ev = self.actor.evaluate()
+            if self.has_reward_model:  # sampled and paired by seed with the SFT model's samples
                 if self.sft_responses is None:
-                    self.sft_responses = self._sampled(self.reference.model)
-                prompts = [p for p in self.eval_prompts for _ in range(EVAL_SAMPLES)]
-                ev |= preference_eval(self.task, prompts, self._sampled(self.actor.model), self.sft_responses,
-                                      self.reward.model)
+                    self.sft_responses = self.reference.sample_heldout()
+                ev |= self.reward.preference_eval(self.actor.sample_heldout(), self.sft_responses)
         self.evals = [e for e in self.evals if e["step"] != step] + [{"step": step, **ev}]
         return ev
 
-    def _sampled(self, model) -> list[str]:
-        cfg = self.cfg
-        return sampled_responses(model, self.tokenizer, self.eval_prompts, cfg.model.max_prompt_len,
-                                 cfg.model.max_response_len, cfg.rollout.temperature, EVAL_SAMPLES, seed=cfg.seed + 99)
-
     def save(self, step: int) -> Path:
-        workers = self.trainable_workers()
+        """A checkpoint: each trainable group writes its model and optimizer from its own processes."""
         state = {"cursor": self.stream.cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
         if self.lagrange:
             state["lagrange"] = self.lagrange.value
-        path = save_checkpoint(self.run_dir, step, {w.role: w.model for w in workers},
-                               {w.role: w.optimizer for w in workers}, state, tokenizer=self.tokenizer)
+        writers = [lambda d, g=g: g.save(str(d)) for g in self.trainable_groups()]
+        path = save_checkpoint(self.run_dir, step, {}, {}, state, writers=writers)
         self.tracer.save()
         return path
 
     def close(self) -> None:
         self.tracer.save()
         self.metrics.close()
+        self.cluster.shutdown()
 

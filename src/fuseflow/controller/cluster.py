@@ -20,7 +20,8 @@ from .worker import DistInfo
 
 
 class Cluster(Protocol):
-    def group(self, role: str, cls: type, builder: Callable[[DistInfo], object]) -> WorkerGroup: ...
+    def group(self, role: str, cls: type, builder: Callable[[DistInfo], object],
+              placed_as: str | None = None) -> WorkerGroup: ...
 
     def shutdown(self) -> None: ...
 
@@ -28,7 +29,8 @@ class Cluster(Protocol):
 class LocalCluster:
     """Every role once, in this process: the embedded default, with no serialization on any call."""
 
-    def group(self, role: str, cls: type, builder: Callable[[DistInfo], object]) -> LocalGroup:
+    def group(self, role: str, cls: type, builder: Callable[[DistInfo], object],
+              placed_as: str | None = None) -> LocalGroup:
         info = DistInfo()
         worker = builder(info)
         if not isinstance(worker, cls):

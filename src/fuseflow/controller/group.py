@@ -27,10 +27,15 @@ class WorkerFailure(RuntimeError):
     ``RLTrainer`` adds the last checkpointed step before it reaches the user.
     """
 
-    def __init__(self, role: str, rank: int, method: str, cause: str, host: str = ""):
+    def __init__(self, role: str, rank: int, method: str, cause: str, host: str = "", note: str = ""):
         self.role, self.rank, self.method, self.cause, self.host = role, rank, method, cause, host
         where = f" ({host})" if host else ""
-        super().__init__(f"{role} worker rank {rank}{where} failed in {role}.{method}: {cause}")
+        super().__init__(f"{role} worker rank {rank}{where} failed in {role}.{method}: {cause}"
+                         + (f"; {note}" if note else ""))
+
+    def noted(self, note: str) -> WorkerFailure:
+        """The same failure with ``note`` appended (e.g. the last checkpoint and how to resume)."""
+        return WorkerFailure(self.role, self.rank, self.method, self.cause, self.host, note)
 
 
 class Future:

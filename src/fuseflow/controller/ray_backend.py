@@ -127,12 +127,16 @@ class RayCluster:
             ).remote(pool.name, rank, pool.size, max(1, int(pool.cpus_per_worker))))
         return hosts
 
-    def group(self, role: str, cls: type, builder: Callable, dp: int | None = None) -> RayGroup:
-        """Build ``role`` on the first ``dp`` hosts of its pool and return its group."""
-        pool = self.placement.role_pool[role] if role in self.placement.role_pool else None
-        if pool is None:
-            raise ValueError(f"role {role!r} has no pool in the placement ({', '.join(self.placement.role_pool)})")
-        dp = dp or self.placement.dp[role]
+    def group(self, role: str, cls: type, builder: Callable, placed_as: str | None = None) -> RayGroup:
+        """Build ``role`` on the first ``dp`` hosts of its pool and return its group.
+
+        ``placed_as`` names the placement entry to follow when the role has none of its own
+        (safe_ppo's cost critic goes where the critic goes).
+        """
+        key = placed_as or role
+        if key not in self.placement.role_pool:
+            raise ValueError(f"role {key!r} has no pool in the placement ({', '.join(self.placement.role_pool)})")
+        pool, dp = self.placement.role_pool[key], self.placement.dp[key]
         hosts = self.hosts[pool][:dp]
         _wait_start([(f"{role} rank {r}", h.add_role.remote(role, builder, dp)) for r, h in enumerate(hosts)],
                     self.start_timeout_s, f"build {role}")

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from fuseflow.algorithms import (
     aggregate,
-    aggregation_counts,
     call_with_inputs,
     get_policy_loss,
     kl_penalty,
     masked_mean,
 )
+from fuseflow.controller.worker import Worker, register
 from fuseflow.data.batch import Batch
 from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 
 from .common import autocast, clipped_step, mean_metrics, response_logprobs, set_lr
+from .evaluation import HeldOut
+from .parallel import TrainableRole
 
 
 def minibatches(n: int, size: int, epochs: int, seed: int) -> list[torch.Tensor]:
@@ -28,14 +32,18 @@ def minibatches(n: int, size: int, epochs: int, seed: int) -> list[torch.Tensor]
     return out
 
 
-class ReferenceWorker:
+class ReferenceWorker(Worker):
     """Holds the frozen reference policy and scores log-probs under it."""
+
+    role = "reference"
+    heldout: HeldOut | None = None  # set by the builder: held-out prompts for evaluate / sample_heldout
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, temperature: float,
                  micro_batch_size: int):
-        self.model = model.eval().requires_grad_(False)
+        self.model = self.plain = model.eval().requires_grad_(False)
         self.device, self.dtype, self.temperature, self.mbs = device, dtype, temperature, micro_batch_size
 
+    @register("dp_split")
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """(B, Tr) log-probs of each response token under this worker's model."""
@@ -45,8 +53,23 @@ class ReferenceWorker:
                 outs.append(response_logprobs(self.model, mb.to(self.device), self.temperature).cpu())
         return torch.cat(outs)
 
+    @register("rank_zero")
+    def evaluate(self) -> dict[str, float]:
+        """Greedy held-out accuracy (and cost rate) of this worker's whole model."""
+        return self.heldout.greedy(self.plain)
 
-class ActorWorker(ReferenceWorker):
+    @register("rank_zero")
+    def sample_heldout(self) -> list[str]:
+        """Seeded sampled responses to the held-out prompts (paired with another model's by seed)."""
+        return self.heldout.sampled(self.plain)
+
+    @register("rank_zero")
+    def model_config(self) -> dict:
+        """The model's Hugging Face config (what ``config.json`` of its checkpoint holds)."""
+        return self.plain.config.to_hf_dict()
+
+
+class ActorWorker(TrainableRole, ReferenceWorker):
     """The policy: generates through its rollout backend and trains with the configured policy loss.
 
     ``algorithm.policy_loss`` names a registered loss (``get_policy_loss``): ``ppo`` clips
@@ -55,33 +78,40 @@ class ActorWorker(ReferenceWorker):
     """
 
     role = "actor"  # names its checkpoint files (optim_actor)
+    tokenizer = None  # set by the builder; saved beside the weights so a checkpoint is a complete HF model
 
     def __init__(self, model: torch.nn.Module, rollout: RolloutBackend, device: torch.device, dtype: torch.dtype,
-                 algo, trainer, temperature: float, norm_len: int):
+                 algo, trainer, temperature: float, norm_len: int, plain: torch.nn.Module | None = None):
+        # ``plain``: the unsharded copy the rollout runs on when ``model`` is FSDP-sharded (see parallel.py).
         self.model, self.rollout, self.norm_len = model, rollout, norm_len
+        self.plain = model if plain is None else plain
         self.device, self.dtype, self.temperature = device, dtype, temperature
         self.algo, self.cfg, self.mbs = algo, trainer, trainer.micro_batch_size
         self.policy_loss = get_policy_loss(algo.policy_loss)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.95))
 
+    @register("dp_split")
     def generate(self, requests: list[RolloutRequest]) -> list[Sample]:
         samples = list(self.rollout.generate(requests))
         order = {r.uid: i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[s.uid])
 
+    @register("dp_split", collect="rank_zero")
     def update(self, batch: Batch, lr: float, kl_coef: float, seed: int) -> dict[str, float]:
         """Epochs of mini-batch policy-loss updates; gradients accumulate over micro-batches exactly.
 
         The loss of each micro-batch is normalised by its mini-batch's global token and
-        sequence counts, so the accumulated gradient equals the whole mini-batch's.
+        sequence counts, so the accumulated gradient equals the whole mini-batch's. With
+        ``dp`` ranks each takes ``mini_batch_size / dp`` rows of its shard per step, the
+        counts are summed over ranks and so are the metrics (rank 0's copy is returned).
         """
         self.model.train()
         set_lr(self.optimizer, lr)
         algo, records = self.algo, []
-        for idx in minibatches(len(batch), self.cfg.mini_batch_size, self.cfg.epochs, seed):
+        for idx in minibatches(len(batch), self.cfg.mini_batch_size // self.world_size, self.cfg.epochs, seed):
             mini = batch.select(idx)
-            n_tok, n_seq = aggregation_counts(mini["response_mask"])
+            n_tok, n_seq = self.global_counts(mini["response_mask"])
             rec: dict[str, float] = {}
             for mb in mini.split(self.mbs):
                 mb = mb.to(self.device)
@@ -100,13 +130,27 @@ class ActorWorker(ReferenceWorker):
                     kl = aggregate(kl_penalty(logp, mb["ref_logprobs"], algo.kl_kind), mask, algo.loss_agg,
                                    n_tok, n_seq, self.norm_len)
                     loss = loss + kl_coef * kl
-                loss.backward()
+                self.backward(loss)
                 share = float(mask.sum() / n_tok)  # this micro-batch's share of the mini-batch metrics
                 for k, v in {"actor/pg_loss": pg_loss, "actor/loss": loss, "actor/clip_frac": m["clip_frac"],
                              "actor/approx_kl": m["approx_kl"],
                              "actor/entropy": masked_mean(entropy.detach(), mask),
                              **{f"actor/{k}": m[k] for k in ("is_weight_mean", "is_cap_frac") if k in m}}.items():
                     rec[k] = rec.get(k, 0.0) + float(v.detach()) * (1.0 if k.endswith("loss") else share)
+            rec = self.all_reduce_sum(rec)
             rec["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "actor")
             records.append(rec)
         return mean_metrics(records)
+
+    @register("one_to_all", collect="rank_zero")
+    def save(self, ckpt_dir: str) -> None:
+        """The model and optimizer (see ``TrainableRole.save``), plus the tokenizer beside the weights."""
+        super().save(ckpt_dir)
+        if self.rank == 0 and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(Path(ckpt_dir) / self.role))
+
+    @register("one_to_all", collect="rank_zero")
+    def sync_weights(self, version: int) -> None:
+        """Hand the updated weights to the rollout (in-process: shared, only the version moves)."""
+        self.sync_plain()
+        self.rollout.update_weights(version)

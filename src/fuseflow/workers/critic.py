@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from fuseflow.algorithms import aggregation_counts, value_loss
+from fuseflow.algorithms import value_loss
+from fuseflow.controller.worker import register
 from fuseflow.data.batch import Batch
 
 from .actor import minibatches
 from .common import autocast, clipped_step, mean_metrics, position_ids, response_slice, set_lr
+from .parallel import TrainableRole
 
 
-class CriticWorker:
+class CriticWorker(TrainableRole):
     """Owns a ``ValueModel`` and its optimizer.
 
     ``prefix`` picks the batch fields it reads and trains on: ``""`` uses ``values``/``returns``
@@ -20,8 +22,9 @@ class CriticWorker:
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer,
-                 norm_len: int, prefix: str = "", role: str = "critic"):
+                 norm_len: int, prefix: str = "", role: str = "critic", plain: torch.nn.Module | None = None):
         self.model, self.device, self.dtype, self.algo, self.cfg = model, device, dtype, algo, trainer
+        self.plain = model if plain is None else plain  # unsharded copy for checkpoints when model is sharded
         self.prefix, self.role = prefix, role
         self.norm_len = norm_len  # the configured max response length, for seq-mean-token-sum-norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.critic_lr,
@@ -33,27 +36,33 @@ class CriticWorker:
             v = self.model(mb["input_ids"], attention_mask=mask, position_ids=position_ids(mask))
         return v[:, response_slice(mb)].float()  # (B, Tr): value of the state before each response token
 
+    @register("dp_split")
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
         return torch.cat([self._values(mb.to(self.device)).cpu() for mb in batch.split(self.cfg.micro_batch_size)])
 
+    @register("dp_split", collect="rank_zero")
     def update(self, batch: Batch, lr: float, seed: int) -> dict[str, float]:
+        """Epochs of mini-batch value-loss updates (data-parallel as ``ActorWorker.update``)."""
         self.model.train()
         set_lr(self.optimizer, lr)
         records = []
-        for idx in minibatches(len(batch), self.cfg.mini_batch_size, self.cfg.epochs, seed):
+        for idx in minibatches(len(batch), self.cfg.mini_batch_size // self.world_size, self.cfg.epochs, seed):
             mini = batch.select(idx)
-            n_tok, n_seq = aggregation_counts(mini["response_mask"])
-            role, rec = self.role, {f"{self.role}/loss": 0.0}
+            n_tok, n_seq = self.global_counts(mini["response_mask"])
+            role = self.role
+            rec = {f"{role}/loss": 0.0, f"{role}/vf_clip_frac": 0.0}
             for mb in mini.split(self.cfg.micro_batch_size):
                 mb = mb.to(self.device)
                 loss, m = value_loss(self._values(mb), mb[self.prefix + "values"], mb[self.prefix + "returns"],
                                      mb["response_mask"], self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq,
                                      self.norm_len)
-                loss.backward()
+                self.backward(loss)
                 rec[f"{role}/loss"] += float(loss.detach())
-                rec[f"{role}/vf_clip_frac"] = float(m["vf_clip_frac"])
+                # Token-weighted over micro-batches (and ranks): the mini-batch's clip fraction.
+                rec[f"{role}/vf_clip_frac"] += float(m["vf_clip_frac"]) * float(mb["response_mask"].sum() / n_tok)
+            rec = self.all_reduce_sum(rec)
             rec[f"{role}/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, role)
             records.append(rec)
         return mean_metrics(records)

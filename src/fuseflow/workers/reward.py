@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fuseflow.controller.worker import Worker, register
 from fuseflow.tasks import Prompt, Task
+
+from .evaluation import HeldOut
 
 
 @dataclass
@@ -28,7 +31,7 @@ class RewardOutput:
     costs: torch.Tensor | None = None
 
 
-class RewardWorker:
+class RewardWorker(Worker):
     """Owns the task's reward (and cost) function and, when configured, a reward model.
 
     The reward model scores a list of finished samples in batches of its own size
@@ -43,6 +46,15 @@ class RewardWorker:
         self.task, self.model = task, reward_model
         self.fn_weight, self.model_weight = fn_weight, model_weight
 
+    role = "reward"
+    heldout: HeldOut | None = None  # set by the builder for preference_eval
+
+    @register("rank_zero")
+    def preference_eval(self, responses: list[str], sft_responses: list[str]) -> dict[str, float]:
+        """Held-out RM score of the policy's sampled responses and the gold win rate over the SFT model's."""
+        return self.heldout.preference(responses, sft_responses, self.model)
+
+    @register("rank_zero")
     def score(self, prompts: list[Prompt], responses: list[str]) -> RewardOutput:
         fn = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32)
         t = self.task.success_threshold

@@ -1,0 +1,143 @@
+"""``fuseflow bench controller``: what running the roles on Ray costs against running them in-process.
+
+Three trainers on the same config (default preset: GRPO on addition) take the same RL
+steps in turn, step by step, so machine load hits them alike:
+
+- ``local``: every role in this process (the embedded default);
+- ``ray_dp1``: every role on one Ray worker process (batches cross a process boundary);
+- ``ray_dp2``: actor and reference data-parallel over two Ray workers (FSDP actor).
+
+Per step each trainer records its wall time, its workers' compute time (the slowest rank
+of each call) and the difference, the controller's own overhead. The first step of each
+is a warm-up and is left out; the table reports medians. The Ray overhead at dp=1 is
+``(ray_dp1 - local) / ray_dp1`` of the step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {"local": [], "ray_dp1": ["backend=ray"], "ray_dp2": ["backend=ray", "actor.dp=2"]}
+
+
+def run_controller_bench(overrides: list[str] | None = None, steps: int = 4, threads: int = 1,
+                         preset: str = "default", work_dir: str | Path | None = None, log=print) -> dict:
+    """Run the three variants for ``steps`` steps each (interleaved); return the figures as a dict."""
+    import ray
+
+    from fuseflow.config import load_config
+    from fuseflow.trainer import RLTrainer
+
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (the first is a warm-up), got {steps}")
+    torch.set_num_threads(threads)
+    cfgs = {name: load_config(preset, [*(overrides or []), f"trainer.steps={steps}", *extra])
+            for name, extra in VARIANTS.items()}
+    tmp = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="fuseflow-bench-controller-"))
+    # One Ray for both Ray variants (each trainer joins it), with CPU slots for both pools at once.
+    slots = sum(c.resolved_placement().cpus_needed() for c in cfgs.values() if c.backend == "ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(slots + 0.999)), include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR", runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+    trainers, rows = {}, {name: [] for name in VARIANTS}
+    load = []
+    try:
+        for name, cfg in cfgs.items():
+            t0 = time.perf_counter()
+            trainers[name] = RLTrainer(cfg, tmp / name, log=log)
+            log(f"{name}: set up in {time.perf_counter() - t0:.1f}s")
+        for step in range(1, steps + 1):
+            load.append(os.getloadavg()[0])
+            for name, trainer in trainers.items():
+                m = trainer.step(step)
+                rows[name].append({k: m[k] for k in ("time/step_seconds", "time/worker_compute",
+                                                     "time/controller_overhead", "reward/mean")})
+                log(f"step {step} {name}: {m['time/step_seconds']:.2f}s (workers {m['time/worker_compute']:.2f}s, "
+                    f"controller {m['time/controller_overhead']:.3f}s)")
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        if started:
+            ray.shutdown()
+        if not work_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summarize(rows, cfgs["local"], steps, threads, load)
+
+
+def summarize(rows: dict[str, list[dict]], cfg, steps: int, threads: int, load: list[float]) -> dict:
+    """Medians over the timed steps (all but the first), ratios to ``local`` and the acceptance check."""
+    med = {name: {key.split("/")[1]: statistics.median(r[key] for r in rs[1:])
+                  for key in ("time/step_seconds", "time/worker_compute", "time/controller_overhead")}
+           for name, rs in rows.items()}
+    local, ray1 = med["local"]["step_seconds"], med["ray_dp1"]["step_seconds"]
+    ray_overhead = (ray1 - local) / ray1
+    return {
+        "benchmark": "controller", "date": time.strftime("%Y-%m-%d"), "machine": _machine(), "torch_threads": threads,
+        "load_average_per_step": [round(x, 2) for x in load],
+        "settings": {"preset": cfg.preset, "algorithm": cfg.algorithm.name, "task": cfg.task.name,
+                     "model": cfg.model.size, "samples_per_step": cfg.trainer.prompts_per_step * cfg.algorithm.group_size,
+                     "rollout_backend": cfg.rollout.backend, "steps": steps, "warmup_steps_excluded": 1},
+        "variants": {name: {**{k: round(v, 4) for k, v in med[name].items()},
+                            "controller_overhead_frac": round(med[name]["controller_overhead"]
+                                                              / med[name]["step_seconds"], 4),
+                            "step_seconds_all": [round(r["time/step_seconds"], 3) for r in rows[name]],
+                            "reward_per_step": [round(r["reward/mean"], 4) for r in rows[name]]}
+                     for name in rows},
+        "ratios": {"ray_dp1_vs_local": round(ray1 / local, 4),
+                   "ray_dp2_vs_local": round(med["ray_dp2"]["step_seconds"] / local, 4)},
+        "ray_overhead_frac_dp1": round(ray_overhead, 4),
+        "acceptance": {"ray_overhead_dp1_at_most_20pct": ray_overhead <= 0.20},
+    }
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def register(bench_app) -> None:
+    import typer
+
+    @bench_app.command("controller")
+    def bench_controller(overrides: list[str] = typer.Argument(None, help="Dotted overrides on the preset."),
+                         out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here."),
+                         steps: int = typer.Option(4, "--steps", help="RL steps per variant (the first is a warm-up)."),
+                         threads: int = typer.Option(1, "--threads", help="torch threads per process."),
+                         preset: str = typer.Option("default", "--preset", "-p", help="Config preset.")) -> None:
+        """Step time of local vs Ray (dp=1) vs Ray (dp=2), as ratios, with the controller's overhead per step."""
+        from rich.console import Console
+
+        from fuseflow.config import ConfigError
+
+        console = Console()
+        try:
+            result = run_controller_bench(overrides, steps, threads, preset, log=console.print)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        for name, v in result["variants"].items():
+            console.print(f"{name:8s} step {v['step_seconds']:.2f}s  workers {v['worker_compute']:.2f}s  "
+                          f"controller {v['controller_overhead']:.3f}s ({100 * v['controller_overhead_frac']:.1f}%)")
+        console.print(f"ray/local at dp=1: {result['ratios']['ray_dp1_vs_local']:.3f}x, Ray overhead "
+                      f"{100 * result['ray_overhead_frac_dp1']:.1f}% of the step; dp=2/local: "
+                      f"{result['ratios']['ray_dp2_vs_local']:.3f}x", soft_wrap=True)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
