@@ -8,10 +8,14 @@ from fuseflow.telemetry.metrics import read_metrics
 from test_train_e2e import TINY
 
 
+def test_the_engine_is_the_default_backend():
+    assert load_config("default", []).rollout.backend == "engine"
+
+
 @pytest.mark.parametrize("backend", ["engine", "hf"])
 def test_backend_trains_like_the_sampler(tmp_path, sft_cache, backend):
     base = TINY + [f"cache_dir={sft_cache}", "trainer.steps=2"]
-    train(load_config("default", base), tmp_path / "sampler")
+    train(load_config("default", base + ["rollout.backend=sampler"]), tmp_path / "sampler")
     train(load_config("default", base + [f"rollout.backend={backend}"]), tmp_path / backend)
     ref, got = read_metrics(tmp_path / "sampler"), read_metrics(tmp_path / backend)
     if backend == "engine":

@@ -139,9 +139,10 @@ class AlgorithmConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    # sampler: the foundation's static-batch sampler; engine: continuous batching with a paged KV
-    # cache and shared prefixes (fuseflow.rollout.engine); hf: plain transformers `generate`.
-    backend: Literal["sampler", "engine", "hf"] = "sampler"
+    # engine (default): continuous batching with a paged KV cache and shared prefixes
+    # (fuseflow.rollout.engine); sampler: the foundation's static-batch sampler; hf: plain
+    # transformers `generate` (for comparison).
+    backend: Literal["sampler", "engine", "hf"] = "engine"
     max_num_seqs: int = Field(64, gt=0)  # engine: sequence slots
     kv_budget_tokens: int = Field(16384, gt=0)  # engine: KV cache budget in tokens
     temperature: float = Field(1.0, gt=0.0)

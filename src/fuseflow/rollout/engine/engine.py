@@ -135,7 +135,10 @@ class Engine(RolloutBackend):
             if index != list(range(logits.shape[0])):
                 logits = logits[torch.tensor(index, device=logits.device)]
             tokens, logprobs = sample_tokens(logits, seqs)
-            return self.scheduler.postprocess(plan, tokens, logprobs, self.policy_version)
+            done = self.scheduler.postprocess(plan, tokens, logprobs, self.policy_version)
+            if not self.scheduler.has_unfinished():
+                self.runner.decode_cache.reset()
+            return done
 
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
@@ -156,7 +159,10 @@ class Engine(RolloutBackend):
     def abort(self, uids: Iterable[int]) -> list[PartialState]:
         """Stop these samples (waiting or running) and return their state; unknown uids are ignored."""
         with self._lock:
-            return [s.to_partial() for s in self.scheduler.abort(set(uids))]
+            out = [s.to_partial() for s in self.scheduler.abort(set(uids))]
+            if not self.scheduler.has_unfinished():
+                self.runner.decode_cache.reset()
+            return out
 
     # ------------------------------------------------------------------------------------ weights, stats
     def update_weights(self, version: int | None = None, state_dict: Mapping[str, Tensor] | None = None) -> None:

@@ -229,6 +229,13 @@ class DecodeCache:
     def _round(self, n: int) -> int:
         return -(-n // self.granularity) * self.granularity
 
+    def reset(self) -> None:
+        """Drop the copy (the engine is idle): frees its memory, and the next batch starts from the
+        same layout whatever ran before, so a resumed run decodes bit-identically to an uninterrupted one."""
+        self.buf = self.keys = self.values = self._base = self._step = None
+        self.rows = self.cap = 0
+        self.row_of = {}
+
     def _choose(self, lengths: list[int]) -> list[int]:
         """Indices of the rows to copy: the most rows that fit, shortest first (`lengths`: their final lengths)."""
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
