@@ -168,3 +168,23 @@ def test_a_request_as_large_as_the_whole_kv_pool_still_runs() -> None:
     engine = Engine(model, EngineConfig(max_num_seqs=2, kv_budget_tokens=800, block_size=2))
     sample = next(engine.generate([_req(0, 2, prompt=[1] * 398)]))
     assert len(sample.response_ids) == 2 and engine.blocks.num_free == 200
+
+
+def test_kv_memory_of_pool_and_decode_copy_stays_within_the_budget() -> None:
+    model = _model()
+    c = model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim  # K and V of one token, all layers
+    cfg = EngineConfig(max_num_seqs=6, kv_budget_tokens=160, block_size=4)
+    engine = Engine(model, cfg)
+    lengths = [3, 40, 7, 25, 12, 2, 33, 9]
+    peak_copy, done = 0, []
+    for r in [_req(i, n) for i, n in enumerate(lengths)]:
+        engine.add(r)
+    while engine.has_unfinished():
+        done += engine.step()
+        buf = engine.runner.decode_cache.buf
+        copy = 0 if buf is None else buf.numel()
+        peak_copy = max(peak_copy, copy)
+        assert engine.runner.pool.data.numel() + copy <= cfg.kv_budget_tokens * per_token
+    assert sorted(len(s.response_ids) for s in done) == sorted(lengths)
+    assert peak_copy > 0 and engine.runner.decode_cache.buf is None  # the copy was used, and freed when idle
