@@ -39,6 +39,10 @@ class Echo(Worker):
     def whoami(self, tag: str) -> tuple:
         return (tag, self.rank, self.world_size, os.getpid())
 
+    @register("one_to_all")
+    def niceness(self) -> int:
+        return os.nice(0)
+
     @register("rank_zero")
     def only_rank_zero(self) -> int:
         return self.rank

@@ -16,8 +16,9 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
+    from fuseflow.controller.ray_backend import start_local_ray
+
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    start_local_ray(2, env_vars={"PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
     yield ray
     ray.shutdown()

@@ -38,6 +38,7 @@ def test_dispatch_modes_across_processes(echo_cluster):
     assert [w[1:3] for w in who] == [(0, 2), (1, 2)] and who[0][3] != who[1][3]  # two processes
     assert group.only_rank_zero() == 0
     assert group.per_rank([1, 2]) == [10, 20]
+    assert group.niceness() == [0, 0]  # not Ray's default 15: workers keep their share of a busy CPU
     # The pool's process group: an all-reduce inside the workers counts rows over both ranks.
     assert group.global_rows(batch) == {"rows": 5.0}
     with pytest.raises(WorkerFailure, match=r"echo worker rank 0 \(pool main\) failed in echo.fail: ValueError: bad"):

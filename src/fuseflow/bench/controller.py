@@ -11,6 +11,10 @@ Per step each trainer records its wall time, its workers' compute time (the slow
 of each call) and the difference, the controller's own overhead. The first step of each
 is a warm-up and is left out; the table reports medians. The Ray overhead at dp=1 is
 ``(ray_dp1 - local) / ray_dp1`` of the step time.
+
+On a machine shared with other work, wall time also counts the time other processes
+held the cores. So each step's CPU time is recorded too: this process's CPU time plus
+the CPU time the Ray workers report for their calls (Ray's own daemons not included).
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import torch
 VARIANTS = {"local": [], "ray_dp1": ["backend=ray"], "ray_dp2": ["backend=ray", "actor.dp=2"]}
 
 
-def run_controller_bench(overrides: list[str] | None = None, steps: int = 4, threads: int = 1,
+def run_controller_bench(overrides: list[str] | None = None, steps: int = 16, threads: int = 1,
                          preset: str = "default", work_dir: str | Path | None = None, log=print) -> dict:
     """Run the three variants for ``steps`` steps each (interleaved); return the figures as a dict."""
     import ray
 
     from fuseflow.config import load_config
+    from fuseflow.controller.ray_backend import start_local_ray
     from fuseflow.trainer import RLTrainer
 
     if steps < 2:
@@ -47,8 +52,7 @@ def run_controller_bench(overrides: list[str] | None = None, steps: int = 4, thr
     slots = sum(c.resolved_placement().cpus_needed() for c in cfgs.values() if c.backend == "ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(slots + 0.999)), include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR", runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+        start_local_ray(max(os.cpu_count() or 1, int(slots + 0.999)), env_vars={"OMP_NUM_THREADS": str(threads)})
     trainers, rows = {}, {name: [] for name in VARIANTS}
     load = []
     try:
@@ -59,9 +63,11 @@ def run_controller_bench(overrides: list[str] | None = None, steps: int = 4, thr
         for step in range(1, steps + 1):
             load.append(os.getloadavg()[0])
             for name, trainer in trainers.items():
+                c0, w0 = time.process_time(), _worker_cpu(trainer)
                 m = trainer.step(step)
-                rows[name].append({k: m[k] for k in ("time/step_seconds", "time/worker_compute",
-                                                     "time/controller_overhead", "reward/mean")})
+                cpu = time.process_time() - c0 + _worker_cpu(trainer) - w0
+                rows[name].append({"time/cpu_seconds": cpu} | {k: m[k] for k in (
+                    "time/step_seconds", "time/worker_compute", "time/controller_overhead", "reward/mean")})
                 log(f"step {step} {name}: {m['time/step_seconds']:.2f}s (workers {m['time/worker_compute']:.2f}s, "
                     f"controller {m['time/controller_overhead']:.3f}s)")
     finally:
@@ -74,13 +80,20 @@ def run_controller_bench(overrides: list[str] | None = None, steps: int = 4, thr
     return summarize(rows, cfgs["local"], steps, threads, load)
 
 
+def _worker_cpu(trainer) -> float:
+    """CPU seconds reported by the trainer's remote workers so far (0 for in-process groups)."""
+    return sum(g.compute_cpu_seconds for g in (trainer.actor, trainer.reference, trainer.reward, *trainer.critics))
+
+
 def summarize(rows: dict[str, list[dict]], cfg, steps: int, threads: int, load: list[float]) -> dict:
     """Medians over the timed steps (all but the first), ratios to ``local`` and the acceptance check."""
     med = {name: {key.split("/")[1]: statistics.median(r[key] for r in rs[1:])
-                  for key in ("time/step_seconds", "time/worker_compute", "time/controller_overhead")}
+                  for key in ("time/step_seconds", "time/worker_compute", "time/controller_overhead",
+                              "time/cpu_seconds")}
            for name, rs in rows.items()}
     local, ray1 = med["local"]["step_seconds"], med["ray_dp1"]["step_seconds"]
     ray_overhead = (ray1 - local) / ray1
+    cpu_local, cpu_ray1 = med["local"]["cpu_seconds"], med["ray_dp1"]["cpu_seconds"]
     return {
         "benchmark": "controller", "date": time.strftime("%Y-%m-%d"), "machine": _machine(), "torch_threads": threads,
         "load_average_per_step": [round(x, 2) for x in load],
@@ -94,8 +107,11 @@ def summarize(rows: dict[str, list[dict]], cfg, steps: int, threads: int, load: 
                             "reward_per_step": [round(r["reward/mean"], 4) for r in rows[name]]}
                      for name in rows},
         "ratios": {"ray_dp1_vs_local": round(ray1 / local, 4),
-                   "ray_dp2_vs_local": round(med["ray_dp2"]["step_seconds"] / local, 4)},
+                   "ray_dp2_vs_local": round(med["ray_dp2"]["step_seconds"] / local, 4),
+                   "ray_dp1_vs_local_cpu": round(cpu_ray1 / cpu_local, 4),
+                   "ray_dp2_vs_local_cpu": round(med["ray_dp2"]["cpu_seconds"] / cpu_local, 4)},
         "ray_overhead_frac_dp1": round(ray_overhead, 4),
+        "ray_overhead_frac_dp1_cpu": round((cpu_ray1 - cpu_local) / cpu_ray1, 4),
         "acceptance": {"ray_overhead_dp1_at_most_20pct": ray_overhead <= 0.20},
     }
 
@@ -118,7 +134,7 @@ def register(bench_app) -> None:
     @bench_app.command("controller")
     def bench_controller(overrides: list[str] = typer.Argument(None, help="Dotted overrides on the preset."),
                          out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here."),
-                         steps: int = typer.Option(4, "--steps", help="RL steps per variant (the first is a warm-up)."),
+                         steps: int = typer.Option(16, "--steps", help="RL steps per variant (the first is a warm-up)."),
                          threads: int = typer.Option(1, "--threads", help="torch threads per process."),
                          preset: str = typer.Option("default", "--preset", "-p", help="Config preset.")) -> None:
         """Step time of local vs Ray (dp=1) vs Ray (dp=2), as ratios, with the controller's overhead per step."""
@@ -134,10 +150,13 @@ def register(bench_app) -> None:
             raise typer.Exit(2) from None
         for name, v in result["variants"].items():
             console.print(f"{name:8s} step {v['step_seconds']:.2f}s  workers {v['worker_compute']:.2f}s  "
-                          f"controller {v['controller_overhead']:.3f}s ({100 * v['controller_overhead_frac']:.1f}%)")
-        console.print(f"ray/local at dp=1: {result['ratios']['ray_dp1_vs_local']:.3f}x, Ray overhead "
-                      f"{100 * result['ray_overhead_frac_dp1']:.1f}% of the step; dp=2/local: "
-                      f"{result['ratios']['ray_dp2_vs_local']:.3f}x", soft_wrap=True)
+                          f"controller {v['controller_overhead']:.3f}s ({100 * v['controller_overhead_frac']:.1f}%)  "
+                          f"CPU {v['cpu_seconds']:.2f}s")
+        r = result["ratios"]
+        console.print(f"ray/local at dp=1: {r['ray_dp1_vs_local']:.3f}x wall, {r['ray_dp1_vs_local_cpu']:.3f}x CPU; "
+                      f"Ray overhead {100 * result['ray_overhead_frac_dp1']:.1f}% of the step (CPU time: "
+                      f"{100 * result['ray_overhead_frac_dp1_cpu']:.1f}%); dp=2/local: {r['ray_dp2_vs_local']:.3f}x",
+                      soft_wrap=True)
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))

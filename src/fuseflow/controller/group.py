@@ -83,6 +83,7 @@ class WorkerGroup(ABC):
     def __init__(self, role: str, cls: type, world_size: int):
         self.role, self.cls, self.world_size = role, cls, world_size
         self.compute_seconds = 0.0  # summed over calls: the slowest rank's seconds of each
+        self.compute_cpu_seconds = 0.0  # CPU seconds of every rank of every call (remote workers only)
         self.calls = 0
 
     def __getattr__(self, name: str) -> GroupMethod:
@@ -128,8 +129,9 @@ class WorkerGroup(ABC):
             return list(results)
         return results[0] if plan is None else restore(results, plan)
 
-    def _count(self, seconds: list[float]) -> None:
+    def _count(self, seconds: list[float], cpu_seconds: float = 0.0) -> None:
         self.compute_seconds += max(seconds, default=0.0)
+        self.compute_cpu_seconds += cpu_seconds
         self.calls += 1
 
     @abstractmethod

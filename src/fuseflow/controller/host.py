@@ -65,12 +65,12 @@ class WorkerHost:
         worker.attach(info)
         self.roles[role] = worker
 
-    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float]:
-        """Run ``role.method`` on this rank; returns (result as numpy-backed wire data, seconds computing)."""
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
+        """Run ``role.method`` on this rank: (result as numpy-backed wire data, wall seconds, CPU seconds)."""
         args, kwargs = from_wire(args), from_wire(kwargs)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = getattr(self.roles[role], method)(*args, **kwargs)
-        return to_wire(out), time.perf_counter() - t0
+        return to_wire(out), time.perf_counter() - t0, time.process_time() - c0
 
     def shutdown(self) -> None:
         if self.distributed:
