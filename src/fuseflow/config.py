@@ -246,6 +246,41 @@ class RoleScale(_Section):
     dp: int | None = Field(None, ge=1)  # None: the same as actor.dp
 
 
+class ScheduleConfig(_Section):
+    """How the steps of one RL iteration execute (``fuseflow.schedule``); the algorithm is unchanged.
+
+    sequential: verl's order. fused: samples go to inference as they finish while generation
+    goes on, and the long tail migrates onto fewer rollout workers. async: generation for step
+    t+1 overlaps training of step t, at most ``max_staleness`` versions behind (the decoupled
+    loss is then the default). fused+async: both.
+    """
+
+    mode: Literal["sequential", "fused", "async", "fused+async"] = "sequential"
+    max_staleness: int = Field(1, ge=0)  # async: versions a trained-on sample may lag the trained policy
+    # fused: migrate the tail once unfinished samples <= this fraction of the batch; "auto" picks it from
+    # the previous steps' response lengths (fuseflow.schedule.migration.auto_threshold).
+    migration_threshold: float | Literal["auto"] = 0.2
+    # Padded tokens (rows x widest row) per inference and training forward; rows are grouped by length
+    # and trimmed, so a long-tailed batch wastes little compute on padding.
+    token_budget: int = Field(4096, gt=0)
+    rollout_workers: int = Field(1, ge=1)  # fused: engines that generate side by side (one thread each)
+
+    @model_validator(mode="after")
+    def _threshold_is_a_fraction(self) -> ScheduleConfig:
+        t = self.migration_threshold
+        if t != "auto" and not 0.0 < t < 1.0:
+            raise ValueError(f"schedule.migration_threshold={t} must be a fraction in (0, 1) or 'auto'")
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return self.mode in ("fused", "fused+async")
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.mode in ("async", "fused+async")
+
+
 class Config(_Section):
     preset: str = "default"
     seed: int = 0
@@ -273,6 +308,37 @@ class Config(_Section):
     actor: ActorScale = ActorScale()
     critic: RoleScale = RoleScale()
     reference: RoleScale = RoleScale()
+    schedule: ScheduleConfig = ScheduleConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_loss_default(cls, data: Any) -> Any:
+        # Async samples come from an older policy: the decoupled loss corrects for it, so it is the
+        # default there (applied only when algorithm.policy_loss was not set).
+        if isinstance(data, dict) and "async" in str((data.get("schedule") or {}).get("mode", "")):
+            algo = data.get("algorithm") or {}
+            if isinstance(algo, dict) and "policy_loss" not in algo:
+                data = {**data, "algorithm": {**algo, "policy_loss": "decoupled"}}
+        return data
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> Config:
+        s = self.schedule
+        if s.mode == "sequential":
+            return self
+        if self.backend != "local":
+            raise ValueError(f"schedule.mode={s.mode} runs its stages on threads of this process; it needs "
+                             f"backend=local (got backend={self.backend}), or use schedule.mode=sequential")
+        if self.rollout.backend != "engine":
+            raise ValueError(f"schedule.mode={s.mode} streams and migrates samples with the rollout engine; set "
+                             f"rollout.backend=engine (got {self.rollout.backend})")
+        if self.algorithm.dynamic_sampling:
+            raise ValueError(f"schedule.mode={s.mode} does not draw extra prompts; algorithm.dynamic_sampling "
+                             "needs schedule.mode=sequential")
+        if s.asynchronous and self.algorithm.policy_loss != "decoupled":
+            raise ValueError(f"schedule.mode={s.mode} trains on samples of an older policy; it needs "
+                             f"algorithm.policy_loss=decoupled (got {self.algorithm.policy_loss})")
+        return self
 
     def role_dp(self) -> dict[str, int]:
         """Data-parallel size of every role (reward runs on one worker)."""

@@ -17,7 +17,15 @@ from fuseflow.controller.worker import Worker, register
 from fuseflow.data.batch import Batch
 from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 
-from .common import autocast, clipped_step, mean_metrics, response_logprobs, set_lr
+from .common import (
+    autocast,
+    clipped_step,
+    mean_metrics,
+    response_logprobs,
+    set_lr,
+    sorted_inference,
+    train_microbatches,
+)
 from .evaluation import HeldOut
 from .parallel import TrainableRole
 
@@ -38,6 +46,8 @@ class ReferenceWorker(Worker):
     role = "reference"
     heldout: HeldOut | None = None  # set by the builder: held-out prompts for evaluate / sample_heldout
 
+    token_budget = 4096  # padded tokens per inference forward (schedule.token_budget; the builder sets it)
+
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, temperature: float,
                  micro_batch_size: int):
         self.model = self.plain = model.eval().requires_grad_(False)
@@ -46,12 +56,12 @@ class ReferenceWorker(Worker):
     @register("dp_split")
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        """(B, Tr) log-probs of each response token under this worker's model."""
-        outs = []
-        for mb in batch.split(self.mbs):
+        """(B, Tr) log-probs of each response token under this worker's model (0 on padding)."""
+        def run(mb: Batch) -> torch.Tensor:
             with autocast(self.device, self.dtype):
-                outs.append(response_logprobs(self.model, mb.to(self.device), self.temperature).cpu())
-        return torch.cat(outs)
+                return response_logprobs(self.model, mb.to(self.device), self.temperature).cpu()
+
+        return sorted_inference(batch, self.token_budget, run)
 
     @register("rank_zero")
     def evaluate(self) -> dict[str, float]:
@@ -113,7 +123,7 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             mini = batch.select(idx)
             n_tok, n_seq = self.global_counts(mini["response_mask"])
             rec: dict[str, float] = {}
-            for mb in mini.split(self.mbs):
+            for mb in train_microbatches(self, mini, self.token_budget, self.mbs):
                 mb = mb.to(self.device)
                 mask = mb["response_mask"]
                 with autocast(self.device, self.dtype):

@@ -86,6 +86,7 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     worker = ActorWorker(_shard(plain, device, dist), rollout_backend(cfg, plain, tokenizer), device, dtype,
                          cfg.algorithm, cfg.trainer, cfg.rollout.temperature, cfg.model.max_response_len, plain=plain)
     worker.tokenizer, worker.heldout = tokenizer, HeldOut.from_config(cfg, ctx.task, tokenizer)
+    worker.token_budget = cfg.schedule.token_budget
     _load_optimizer(worker, ctx.ckpt)
     return worker
 
@@ -96,6 +97,7 @@ def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     worker = ReferenceWorker(CausalLM.from_pretrained(ctx.ref_dir).to(device), device, dtype,
                              cfg.rollout.temperature, cfg.trainer.micro_batch_size)
     worker.heldout = HeldOut.from_config(cfg, ctx.task, load_tokenizer(cfg.model.tokenizer))
+    worker.token_budget = cfg.schedule.token_budget
     return worker
 
 
@@ -107,6 +109,7 @@ def build_critic(ctx: RoleContext, dist: DistInfo, name: str = "critic", prefix:
              else ValueModel.from_causal_lm(CausalLM.from_pretrained(ctx.ref_dir))).to(device)
     worker = CriticWorker(_shard(plain, device, dist), device, dtype, cfg.algorithm, cfg.trainer,
                           cfg.model.max_response_len, prefix, name, plain=plain)
+    worker.token_budget = cfg.schedule.token_budget
     _load_optimizer(worker, ctx.ckpt)
     return worker
 

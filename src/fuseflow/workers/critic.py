@@ -9,7 +9,16 @@ from fuseflow.controller.worker import register
 from fuseflow.data.batch import Batch
 
 from .actor import minibatches
-from .common import autocast, clipped_step, mean_metrics, position_ids, response_slice, set_lr
+from .common import (
+    autocast,
+    clipped_step,
+    mean_metrics,
+    position_ids,
+    response_slice,
+    set_lr,
+    sorted_inference,
+    train_microbatches,
+)
 from .parallel import TrainableRole
 
 
@@ -20,6 +29,8 @@ class CriticWorker(TrainableRole):
     (the reward critic); ``"cost_"`` uses ``cost_values``/``cost_returns`` (safe_ppo's cost critic).
     Its metrics are named after ``role`` (``critic/loss``, ``cost_critic/loss``).
     """
+
+    token_budget = 4096  # padded tokens per forward (schedule.token_budget; the builder sets it)
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer,
                  norm_len: int, prefix: str = "", role: str = "critic", plain: torch.nn.Module | None = None):
@@ -39,8 +50,9 @@ class CriticWorker(TrainableRole):
     @register("dp_split")
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
+        """(B, Tr) value of the state before each response token (0 on padding)."""
         self.model.eval()
-        return torch.cat([self._values(mb.to(self.device)).cpu() for mb in batch.split(self.cfg.micro_batch_size)])
+        return sorted_inference(batch, self.token_budget, lambda mb: self._values(mb.to(self.device)).cpu())
 
     @register("dp_split", collect="rank_zero")
     def update(self, batch: Batch, lr: float, seed: int) -> dict[str, float]:
@@ -53,7 +65,7 @@ class CriticWorker(TrainableRole):
             n_tok, n_seq = self.global_counts(mini["response_mask"])
             role = self.role
             rec = {f"{role}/loss": 0.0, f"{role}/vf_clip_frac": 0.0}
-            for mb in mini.split(self.cfg.micro_batch_size):
+            for mb in train_microbatches(self, mini, self.token_budget, self.cfg.micro_batch_size):
                 mb = mb.to(self.device)
                 loss, m = value_loss(self._values(mb), mb[self.prefix + "values"], mb[self.prefix + "returns"],
                                      mb["response_mask"], self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq,
