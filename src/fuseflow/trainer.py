@@ -49,6 +49,7 @@ from fuseflow.recipes import (
 from fuseflow.reward_model import RewardModel
 from fuseflow.rollout.base import RolloutRequest, SamplingParams
 from fuseflow.rollout.sampler import make_requests
+from fuseflow.schedule.modes import make_strategy
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
 from fuseflow.telemetry import MetricsLogger, Tracer
@@ -59,6 +60,7 @@ from fuseflow.workers.critic import CriticWorker
 from fuseflow.workers.reward import RewardOutput, RewardWorker
 
 CRITIC_PREFIX = {"critic": "", "cost_critic": "cost_"}  # the batch fields each critic reads and fills
+REWARD_FIELDS = ("scores", "correct", "fn_scores", "rm_scores", "costs")  # RewardOutput's (B,) fields
 
 
 class PromptStream:
@@ -101,6 +103,7 @@ class RLTrainer:
         self.metrics = MetricsLogger(self.run_dir, resume_step=self.start_step if resume else None)
         if resume:
             self.tracer.drop_after(self.start_step)
+        self.strategy = make_strategy(self)  # schedule.mode: None runs make_experience's stages in order
 
     # ----------------------------------------------------------------- set-up
     def _setup_workers(self, resume: bool) -> None:
@@ -185,6 +188,7 @@ class RLTrainer:
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
             self.actor.sync_weights(step)  # in-process: shared weights, the version moves on
+        metrics |= self.strategy.step_metrics(step) if self.strategy else {}  # busy fractions, long tail
         seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())
         metrics |= {f"time/{name}": sec for name, sec in self.tracer.seconds_for(step).items()}
@@ -196,6 +200,8 @@ class RLTrainer:
 
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Generate, score and infer: the stages a scheduling strategy (fused, async) may take over."""
+        if self.strategy is not None:
+            return self.strategy.make_experience(step)
         batch, metrics = self.rollout(step)  # spans generate + reward; dapo's dynamic sampling draws more
         if self.recipe.greedy_baseline:
             with self.tracer.span("greedy_baseline", step):
@@ -266,14 +272,9 @@ class RLTrainer:
         topped_up = max(0, need - len(kept))
         chosen = [i for idx in kept[:need] + spare[:topped_up] for i in idx]
         samples, prompts, texts = (list(x) for x in zip(*[pool[i] for i in chosen], strict=True))
-        batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
-        batch.meta["task_prompt"] = prompts  # the task's Prompt objects (answers, metadata) per sample
-        merged = {k: torch.cat([getattr(o, k) for o in outs])[chosen] for k in ("scores", "correct", "fn_scores")}
-        for k in ("rm_scores", "costs"):
-            if getattr(outs[0], k) is not None:
-                merged[k] = torch.cat([getattr(o, k) for o in outs])[chosen]
-        for k, v in merged.items():
-            batch[k] = v
+        fields = {k: torch.cat([getattr(o, k) for o in outs])[chosen] for k in REWARD_FIELDS
+                  if getattr(outs[0], k) is not None}
+        batch = self.to_batch(samples, prompts, texts, fields)
         metrics = {}
         if a.dynamic_sampling:
             metrics = {"dapo/prompts_drawn": float(drawn), "dapo/groups_dropped": float(drawn - len(kept)),
@@ -284,19 +285,36 @@ class RLTrainer:
 
     def _draw(self, step: int, rnd: int, n: int, offset: int) -> tuple[list, list, list[str], RewardOutput]:
         """Generate and score ``n`` fresh prompts x ``group_size`` samples (group ids from ``offset``)."""
-        cfg, span, g = self.cfg, self.tracer.span, self.cfg.algorithm.group_size
-        idx = self.stream.take(n)
-        prompts = [self.train_prompts[i] for i in idx for _ in range(g)]
+        span, g = self.tracer.span, self.cfg.algorithm.group_size
+        requests, prompts = self.requests_for(step, rnd, n, offset)
         with span("generate", step):
-            # Round 0 keeps the seeds of a run without dynamic sampling; later rounds get fresh ones.
-            requests = make_requests([self.train_ids[i] for i in idx], self.sampling, g,
-                                     seed=cfg.seed * 100_003 + step + rnd * 10_000_019, group_offset=offset)
             samples = [dataclasses.replace(s, uid=s.uid + offset * g) for s in self.actor.generate(requests)]
             texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
         with span("reward", step):
             out = self.reward.score(prompts, texts)
             out.scores = out.scores + self.shaping(samples)
         return samples, prompts, texts, out
+
+    def requests_for(self, step: int, rnd: int, n: int, offset: int) -> tuple[list[RolloutRequest], list]:
+        """``n`` fresh prompts x ``group_size`` seeded requests for ``step`` and each request's task prompt.
+
+        Seeds depend on the step and draw round only (round 0 keeps the seeds of a run without
+        dynamic sampling), so every schedule mode draws the same tokens for the same step.
+        """
+        cfg, g = self.cfg, self.cfg.algorithm.group_size
+        idx = self.stream.take(n)
+        prompts = [self.train_prompts[i] for i in idx for _ in range(g)]
+        requests = make_requests([self.train_ids[i] for i in idx], self.sampling, g,
+                                 seed=cfg.seed * 100_003 + step + rnd * 10_000_019, group_offset=offset)
+        return requests, prompts
+
+    def to_batch(self, samples: list, prompts: list, texts: list[str], fields: dict[str, torch.Tensor]) -> Batch:
+        """Finished, scored samples packed as a ``Batch``; ``fields`` are per-sample (B,) reward outputs."""
+        batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
+        batch.meta["task_prompt"] = prompts  # the task's Prompt objects (answers, metadata) per sample
+        for k, v in fields.items():
+            batch[k] = v
+        return batch
 
     def shaping(self, samples: list) -> torch.Tensor:
         """Per-sample score shaping (B,): DAPO's overlong penalty, zeros when it is off."""
@@ -358,7 +376,9 @@ class RLTrainer:
 
     def save(self, step: int) -> Path:
         """A checkpoint: each trainable group writes its model and optimizer from its own processes."""
-        state = {"cursor": self.stream.cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
+        # An async run has drawn the next step's prompts already; a resume draws them again.
+        cursor = self.strategy.cursor() if self.strategy else self.stream.cursor
+        state = {"cursor": cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
         if self.lagrange:
             state["lagrange"] = self.lagrange.value
         writers = [lambda d, g=g: g.save(str(d)) for g in self.trainable_groups()]
@@ -367,6 +387,8 @@ class RLTrainer:
         return path
 
     def close(self) -> None:
+        if self.strategy:
+            self.strategy.close()
         self.tracer.save()
         self.metrics.close()
         self.cluster.shutdown()

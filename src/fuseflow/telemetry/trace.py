@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ class Tracer:
         self.tracks = tracks or {0: "trainer"}
         self.totals: dict[str, float] = defaultdict(float)
         self._t0 = time.perf_counter()
+        self._lock = threading.Lock()  # strategies record spans from several worker threads
         if self.path and self.path.exists():  # resume: keep the spans already recorded
             try:
                 old = json.loads(self.path.read_text())
@@ -43,7 +45,11 @@ class Tracer:
         try:
             yield
         finally:
-            end = time.perf_counter()
+            self.record(name, step, track, start, time.perf_counter(), **args)
+
+    def record(self, name: str, step: int, track: int, start: float, end: float, **args) -> None:
+        """A span from ``start`` to ``end`` (``time.perf_counter()`` seconds); safe from any thread."""
+        with self._lock:
             self.totals[name] += end - start
             self.events.append({"name": name, "ph": "X", "pid": 0, "tid": track,
                                 "ts": round((start - self._t0) * 1e6, 1), "dur": round((end - start) * 1e6, 1),
@@ -52,8 +58,9 @@ class Tracer:
     def instant(self, name: str, step: int, track: int = 0, **args) -> None:
         """A point event on ``track`` now (thread-scoped, as Perfetto shows it on that track's row)."""
         ts = round((time.perf_counter() - self._t0) * 1e6, 1)
-        self.events.append({"name": name, "ph": "i", "s": "t", "pid": 0, "tid": track, "ts": ts,
-                            "args": {"step": step, **args}})
+        with self._lock:
+            self.events.append({"name": name, "ph": "i", "s": "t", "pid": 0, "tid": track, "ts": ts,
+                                "args": {"step": step, **args}})
 
     def name_track(self, track: int, name: str) -> None:
         """Label a track (e.g. ``rollout-1``) as workers appear; the label shows in Perfetto and Gantt plots."""

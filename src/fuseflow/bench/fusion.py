@@ -1,0 +1,169 @@
+"""`fuseflow bench fusion`: PPO on the long-tailed `sort` task in each execution mode, plus GRPO vs TRL.
+
+Every mode runs the same config (model, batch, seed, steps) with PPO's four inference stages
+(critic values, reference and old log-probs, reward) computed per sample, on
+``schedule.rollout_workers`` rollout/inference workers (2 by default, one per core of the
+2-core reference machine; threads of one process, see ``fuseflow.schedule.pool``). The
+``sequential`` baseline runs verl's order on the same workers: generation split over them,
+then inference micro-batches on all of them, then training.
+
+Figures per mode exclude the first step (warm-up): ``step_seconds`` is the median wall time
+between consecutive step ends (in async modes a step's generation ran during the previous
+one), ``samples_per_second`` is samples over the summed wall time, ``busy_fraction`` the mean
+over steps of the workers' busy fraction from the trace. ``speedup_vs_trl`` comes from
+``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fuseflow.config import load_config
+
+from .trl import BENCH_OVERRIDES, QUICK_OVERRIDES, bench_config, run_trl_comparison
+
+MODES = ("sequential", "fused", "async", "fused+async")
+PPO = ("algorithm.name=ppo", "algorithm.kl_in_reward=true", "trainer.eval_every=1000", "trainer.save_every=1000")
+
+
+def fusion_overrides(mode: str, workers: int, steps: int, quick: bool, extra: list[str] | None = None) -> list[str]:
+    """The benchmark's config for one mode: the `sort` bench settings, PPO, the mode and worker count."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    base = QUICK_OVERRIDES if quick else BENCH_OVERRIDES
+    return [*base, *PPO, f"trainer.steps={steps}", f"schedule.mode={mode}", f"schedule.rollout_workers={workers}",
+            *(extra or [])]
+
+
+def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, extra: list[str] | None = None,
+             log=print) -> dict:
+    """Train ``steps`` PPO steps in ``mode``; per-step wall times, rewards and busy fractions."""
+    from fuseflow.trainer import RLTrainer
+
+    cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra))
+    tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
+    walls, rewards, busy, migrated, stale = [], [], [], [], []
+    try:
+        last = time.perf_counter()
+        for step in range(1, steps + 1):
+            m = tr.step(step)
+            now = time.perf_counter()
+            walls.append(now - last)
+            last = now
+            rewards.append(m["reward/mean"])
+            busy.append(_workers_busy(m, workers))
+            migrated.append(m.get("schedule/migrated_samples", 0.0))
+            stale.append(m.get("async/staleness_mean", 0.0))
+            log(f"{mode} step {step}: {walls[-1]:.1f}s reward {rewards[-1]:.3f} busy {busy[-1]:.2f}")
+    finally:
+        tr.close()
+    n = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+    timed = walls[1:] if len(walls) > 1 else walls
+    return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
+            "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
+            "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
+            "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n}
+
+
+def _workers_busy(m: dict, workers: int) -> float:
+    """Mean busy fraction of the rollout/inference worker tracks (the controller thread included when it helps)."""
+    vals = [v for k, v in m.items() if k.startswith("trace/busy_fraction/") and
+            (k.split("/")[-1].startswith("rollout-") or k.endswith("/inference"))]
+    return sum(vals) / len(vals) if vals else m.get("trace/busy_fraction_mean", 0.0)
+
+
+def plot_reward_vs_time(modes: dict[str, dict], out: Path) -> Path:
+    """One PNG: mean reward per step against cumulative wall-clock seconds, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in modes.items():
+        t = [sum(r["step_wall_seconds"][: i + 1]) for i in range(len(r["step_wall_seconds"]))]
+        ax.plot(t, r["reward_per_step"], marker="o", label=mode)
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("mean reward")
+    ax.set_title("PPO on sort: reward vs wall-clock per execution mode")
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tuple[str, ...] = MODES,
+               trl_steps: int = 0, threads: int = 1, plot: Path | None = None, work_dir: Path | None = None,
+               extra: list[str] | None = None, log=print) -> dict:
+    """Every mode in turn, then (``trl_steps > 0``) GRPO vs TRL with fuseflow in the fastest mode."""
+    if steps < 2:
+        raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {steps}")
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="fuseflow-bench-fusion-") as scratch:
+            return run_fusion(steps, workers, quick, modes, trl_steps, threads, plot, Path(scratch), extra, log)
+    torch.set_num_threads(threads)
+    results = {m: run_mode(m, workers, steps, quick, Path(work_dir), extra, log) for m in modes}
+    base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
+    for r in results.values():
+        r["speedup_vs_sequential"] = r["samples_per_second"] / base
+    out = {"benchmark": "ppo_sort_fusion", "device": "cpu", "torch_threads": threads,
+           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
+                        "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
+           "modes": results}
+    if plot is not None:
+        out["plot"] = str(plot_reward_vs_time(results, plot))
+    if trl_steps:
+        best = max(results, key=lambda m: results[m]["samples_per_second"])
+        trl_cfg = bench_config([f"schedule.mode={best}", f"schedule.rollout_workers={workers}", *(extra or [])],
+                               quick, trl_steps)
+        trl = run_trl_comparison(trl_cfg, threads, Path(work_dir) / "trl", log)
+        out["speedup_vs_trl"] = trl["speedup_vs_trl"]
+        out["trl_comparison"] = trl
+    return out
+
+
+def register(bench_app) -> None:
+    import typer
+
+    @bench_app.command("fusion")
+    def bench_fusion(overrides: list[str] = typer.Argument(None, help="Dotted overrides on every mode's config."),
+                     out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here (PNG beside it)."),
+                     steps: int = typer.Option(6, "--steps", help="PPO steps per mode (the first is a warm-up)."),
+                     workers: int = typer.Option(2, "--workers", help="Rollout/inference workers (threads)."),
+                     trl_steps: int = typer.Option(4, "--trl-steps", help="GRPO steps vs TRL (0 skips TRL)."),
+                     mode: list[str] = typer.Option(None, "--mode", help="Only these modes (repeatable)."),
+                     quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
+                     ) -> None:
+        """PPO on `sort` in sequential, fused, async and fused+async; samples/s per mode; GRPO vs TRL."""
+        from rich.console import Console
+
+        from fuseflow.config import ConfigError
+
+        console = Console()
+        plot = out.with_suffix(".png") if out else None
+        try:
+            if workers < 1 or trl_steps < 0:
+                raise ValueError(f"--workers must be >= 1 and --trl-steps >= 0, got {workers} and {trl_steps}")
+            result = run_fusion(steps, workers, quick, tuple(mode or MODES), trl_steps, 1, plot, None, overrides,
+                                console.print)
+        except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        for name, r in result["modes"].items():
+            console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "
+                          f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}", soft_wrap=True)
+        if "speedup_vs_trl" in result:
+            console.print(f"speedup_vs_trl {result['speedup_vs_trl']:.2f}x", soft_wrap=True)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,154 @@
+"""Rollout workers on threads: the mechanism that the fused and async strategies drive.
+
+Each worker owns one rollout ``Engine`` and one thread. A worker with unfinished samples
+decodes; a worker with none takes inference tasks from a shared queue, so a worker freed
+by finishing its share early, or by migration, computes inference instead of idling.
+
+Why threads and not one Ray process per core: the actor, reference and critic models live
+in the controller's process on the ``local`` backend, and the engine shares the actor's
+weights in place. torch releases the GIL inside its ops, so two threads with one intra-op
+thread each keep both cores of this machine busy without copying models between processes.
+The price is Python-level contention (scheduling, sampling) on the GIL, which the timing
+in ``docs/benchmarks.md`` includes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from fuseflow.rollout.base import RolloutRequest, Sample
+from fuseflow.rollout.engine import Engine, EngineConfig
+
+from .migration import MigrationPlan, PendingSample, WorkerBudget
+
+POLL_S = 0.002  # how long an idle worker waits for a task before looking at its engine again
+
+
+class TaskQueue:
+    """Inference tasks (callables) for whichever thread is free; ``close`` ends the step's supply."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self.closed = threading.Event()
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def run_one(self, timeout: float = 0.0) -> bool:
+        """Run one pending task on this thread; False when none came within ``timeout``."""
+        try:
+            fn, fut = self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return False
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to whoever waits on the future
+            fut.set_exception(e)
+        return True
+
+    def empty(self) -> bool:
+        return self._q.empty()
+
+
+class RolloutPool:
+    """``n`` rollout workers over one model (the actor's own weights, or a rollout copy in async mode).
+
+    ``tracks[i]`` is worker ``i``'s trace track; ``generate`` spans and ``inference`` spans
+    land there, so Perfetto shows per worker when it decoded, when it ran inference and
+    when it sat idle.
+    """
+
+    def __init__(self, model: torch.nn.Module, n: int, config: EngineConfig, tokenizer, tracer, first_track: int):
+        if n < 1:
+            raise ValueError(f"schedule.rollout_workers must be >= 1, got {n}")
+        self.model, self.config, self.tracer = model, config, tracer
+        self.engines = [Engine(model, config, tokenizer=tokenizer) for _ in range(n)]
+        self.tracks = [first_track + i for i in range(n)]
+        for i, t in enumerate(self.tracks):
+            tracer.name_track(t, f"rollout-{i}")
+        self.migrated = 0
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def update_weights(self, version: int) -> None:
+        """The weights changed in place (or were copied in): stamp the version, drop stale prefix KV."""
+        for e in self.engines:
+            e.update_weights(version)
+
+    # ------------------------------------------------------------------ one step's generation
+    def run(self, step: int, shards: list[list[RolloutRequest]], on_sample: Callable[[int, Sample], None],
+            tasks: TaskQueue) -> list[threading.Thread]:
+        """Start every worker on its shard; each calls ``on_sample(worker, sample)`` as samples finish.
+
+        Workers run inference tasks whenever their engine is idle and stop once ``tasks`` is
+        closed and drained and their engine has nothing left (migration may hand them more).
+        """
+        if len(shards) != len(self.engines):
+            raise ValueError(f"{len(shards)} request shards for {len(self.engines)} rollout workers")
+        for engine, shard in zip(self.engines, shards, strict=True):
+            for r in shard:
+                engine.add(r)
+        threads = [threading.Thread(target=self._loop, args=(i, step, on_sample, tasks), daemon=True,
+                                    name=f"rollout-{i}") for i in range(len(self.engines))]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _loop(self, i: int, step: int, on_sample, tasks: TaskQueue) -> None:
+        engine, track = self.engines[i], self.tracks[i]
+        while True:
+            if engine.has_unfinished():
+                with self.tracer.span("generate", step, track=track):
+                    while engine.has_unfinished():
+                        for s in engine.step():
+                            self.tracer.instant("sample_done", step, track=track, uid=s.uid)
+                            on_sample(i, s)
+                continue
+            if tasks.closed.is_set() and tasks.empty():
+                return
+            t0 = time.perf_counter()
+            if tasks.run_one(POLL_S):
+                self.tracer.record("inference", step, track, t0, time.perf_counter())
+
+    # ------------------------------------------------------------------ migration
+    def pending(self) -> dict[int, list[PendingSample]]:
+        """Unfinished samples per worker, with their KV held now and tokens still allowed."""
+        out: dict[int, list[PendingSample]] = {}
+        for i, e in enumerate(self.engines):
+            with e._lock:
+                seqs = [*e.scheduler.running, *e.scheduler.waiting]
+                out[i] = [PendingSample(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens))
+                          for s in seqs]
+        return out
+
+    def budgets(self) -> dict[int, WorkerBudget]:
+        c = self.config
+        return {i: WorkerBudget(c.max_num_seqs, e.num_blocks * c.block_size) for i, e in enumerate(self.engines)}
+
+    def migrate(self, plan: MigrationPlan, step: int) -> int:
+        """Abort the moved samples on their sources and resume them on their targets; returns how many moved.
+
+        The exported state carries the sampling generator, so a moved sample draws the same
+        tokens as it would have where it started.
+        """
+        moved = 0
+        by_src: dict[int, dict[int, int]] = {}
+        for m in plan.moves:
+            by_src.setdefault(m.src, {})[m.uid] = m.dst
+        for src, dests in by_src.items():
+            for state in self.engines[src].abort(dests):
+                self.engines[dests[state.uid]].add(state)
+                moved += 1
+        if moved:
+            self.tracer.instant("migrate", step, track=self.tracks[0], moved=moved, freed=list(plan.freed))
+        self.migrated += moved
+        return moved
