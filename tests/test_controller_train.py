@@ -86,11 +86,11 @@ def test_dp1_ray_gives_the_local_metrics(tmp_path, sft_cache):
         assert ea == pytest.approx(eb)
 
 
-def _update_batch(n: int, vocab: int) -> Batch:
+def _update_batch(n: int, vocab: int, lengths: list[int] | None = None) -> Batch:
     """``n`` sequences with uneven response lengths and random advantages/returns (a synthetic PPO batch)."""
     g = torch.Generator().manual_seed(0)
-    tp, tr = 5, 6
-    lengths = torch.tensor([1 + (3 * i) % tr for i in range(n)])
+    tp, tr = 5, max(lengths or [6])
+    lengths = torch.tensor(lengths or [1 + (3 * i) % tr for i in range(n)])
     rmask = (torch.arange(tr) < lengths[:, None]).float()  # (B, Tr)
     attn = torch.cat([torch.ones(n, tp, dtype=torch.long), rmask.long()], dim=1)  # (B, Tp+Tr)
     return Batch({"input_ids": torch.randint(1, vocab, (n, tp + tr), generator=g), "attention_mask": attn,
@@ -100,9 +100,11 @@ def _update_batch(n: int, vocab: int) -> Batch:
 
 
 def test_one_dp2_optimizer_step_equals_the_single_process_step(tmp_path):
-    # One optimizer step (mini-batch = the whole batch) accumulated over micro-batches of 2.
+    # One optimizer step (mini-batch = the whole batch) accumulated over micro-batches of 2. A small
+    # token budget gives ranks different numbers of length-sorted inference micro-batches (below).
     base = ["algorithm.name=ppo", "trainer.prompts_per_step=3", "algorithm.group_size=4", "trainer.mini_batch_size=12",
-            "trainer.micro_batch_size=2", "trainer.epochs=1", "algorithm.kl_in_reward=false", "algorithm.kl_coef=0.1"]
+            "trainer.micro_batch_size=2", "trainer.epochs=1", "algorithm.kl_in_reward=false", "algorithm.kl_coef=0.1",
+            "schedule.token_budget=32"]
     cfg = load_config("default", base)
     tok = load_tokenizer(None)
     ref = tmp_path / "ref"
@@ -117,13 +119,21 @@ def test_one_dp2_optimizer_step_equals_the_single_process_step(tmp_path):
     try:
         ractor = cluster.group("actor", ActorWorker, partial(build_actor, ctx))
         rcritic = cluster.group("critic", CriticWorker, partial(build_critic, ctx))
+        # Responses of 13, 5, 5, 5, 1, 1 tokens: the token-balanced split gives rank 0 {13, 5, 1} (two
+        # micro-batches within 32 padded tokens) and rank 1 {5, 5, 1} (one). The sharded actor and
+        # critic must still run the same number of forwards on both ranks, or they wait on each other.
+        uneven = _update_batch(6, len(tok), lengths=[13, 5, 5, 5, 1, 1])
+        m = uneven["response_mask"]  # outputs on padding depend on the micro-batch's width; compare real tokens
+        assert torch.allclose(ractor.compute_logprobs(uneven) * m, lactor.compute_logprobs(uneven) * m, atol=1e-5)
+        assert torch.allclose(rcritic.compute_values(uneven) * m, lcritic.compute_values(uneven) * m, atol=1e-5)
         batch = _update_batch(12, len(tok))
         batch["old_logprobs"] = lactor.compute_logprobs(batch)
-        assert torch.allclose(ractor.compute_logprobs(batch), batch["old_logprobs"], atol=1e-5)
+        m = batch["response_mask"]
+        assert torch.allclose(ractor.compute_logprobs(batch) * m, batch["old_logprobs"] * m, atol=1e-5)
         batch["ref_logprobs"] = batch["old_logprobs"] - 0.05
         batch["behavior_logprobs"] = batch["old_logprobs"]
         batch["values"] = lcritic.compute_values(batch)
-        assert torch.allclose(rcritic.compute_values(batch), batch["values"], atol=1e-5)
+        assert torch.allclose(rcritic.compute_values(batch) * m, batch["values"] * m, atol=1e-5)
         results = {}
         for name, actor, critic in (("local", lactor, lcritic), ("ray", ractor, rcritic)):
             metrics = actor.update(batch, 1e-3, 0.1, seed=3) | critic.update(batch, 1e-3, seed=3)

@@ -61,7 +61,7 @@ class ReferenceWorker(Worker):
             with autocast(self.device, self.dtype):
                 return response_logprobs(self.model, mb.to(self.device), self.temperature).cpu()
 
-        return sorted_inference(batch, self.token_budget, run)
+        return sorted_inference(batch, self.token_budget, run, worker=self)
 
     @register("rank_zero")
     def evaluate(self) -> dict[str, float]:

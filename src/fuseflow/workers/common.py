@@ -99,15 +99,39 @@ def mean_metrics(records: list[dict]) -> dict[str, float]:
     return out
 
 
-def sorted_inference(batch: Batch, budget: int, fn) -> torch.Tensor:
+def sorted_inference(batch: Batch, budget: int, fn, worker=None) -> torch.Tensor:
     """(B, Tr) per-token outputs of ``fn`` over length-sorted, trimmed micro-batches, in batch order.
 
     On a long-tailed batch most columns are padding; grouping rows of similar length and
     trimming each group cuts the forward cost about 3x on ``sort`` with the same values
-    (masked columns carry no weight and positions come from the mask).
+    (masked columns carry no weight and positions come from the mask). A ``worker`` whose
+    model is FSDP-sharded runs as many forwards as its peers (see ``match_peer_count``).
     """
-    parts = [(idx, fn(mb)) for idx, mb in length_sorted_microbatches(batch, budget)]
+    pairs = length_sorted_microbatches(batch, budget)
+    if getattr(worker, "sharded", False):
+        pairs = [(c, trim_padding(batch.select(c))) for c in match_peer_count(worker, [i for i, _ in pairs])]
+    parts = [(idx, fn(mb)) for idx, mb in pairs]
     return scatter_rows(parts, len(batch), batch["response_mask"].shape[1])
+
+
+def match_peer_count(worker, chunks: list[list[int]]) -> list[list[int]]:
+    """``chunks`` with the biggest ones halved until there are as many as on the rank with the most.
+
+    Each forward of an FSDP model all-gathers (and each backward reduce-scatters) with every
+    rank, so a rank with fewer micro-batches would leave its peers waiting until the collective
+    timeout. Ranks hold equal row counts (``dp_split`` pads them), so the largest count fits.
+    """
+    if not (worker.dist.distributed and worker.world_size > 1):
+        return chunks
+    counts = torch.zeros(worker.world_size)
+    counts[worker.rank] = len(chunks)
+    need = int(worker.all_reduce_tensor(counts).max())
+    chunks = list(chunks)
+    while len(chunks) < need:
+        big = max(range(len(chunks)), key=lambda i: len(chunks[i]))
+        c = chunks.pop(big)
+        chunks[big:big] = [c[: len(c) // 2], c[len(c) // 2 :]]
+    return chunks
 
 
 def train_microbatches(worker, mini: Batch, budget: int, max_rows: int) -> list[Batch]:
@@ -121,12 +145,4 @@ def train_microbatches(worker, mini: Batch, budget: int, max_rows: int) -> list[
     """
     chunks = [idx for idx, _ in length_sorted_microbatches(mini, budget)]
     chunks = [c[i : i + max_rows] for c in chunks for i in range(0, len(c), max_rows)]
-    if worker.dist.distributed and worker.world_size > 1:
-        counts = torch.zeros(worker.world_size)
-        counts[worker.rank] = len(chunks)
-        need = int(worker.all_reduce_tensor(counts).max())
-        while len(chunks) < need:  # every rank holds the same number of rows, so need <= rows here
-            big = max(range(len(chunks)), key=lambda i: len(chunks[i]))
-            c = chunks.pop(big)
-            chunks[big:big] = [c[: len(c) // 2], c[len(c) // 2 :]]
-    return [trim_padding(mini.select(c)) for c in chunks]
+    return [trim_padding(mini.select(c)) for c in match_peer_count(worker, chunks)]

@@ -52,7 +52,8 @@ class CriticWorker(TrainableRole):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """(B, Tr) value of the state before each response token (0 on padding)."""
         self.model.eval()
-        return sorted_inference(batch, self.token_budget, lambda mb: self._values(mb.to(self.device)).cpu())
+        return sorted_inference(batch, self.token_budget, lambda mb: self._values(mb.to(self.device)).cpu(),
+                                worker=self)
 
     @register("dp_split", collect="rank_zero")
     def update(self, batch: Batch, lr: float, seed: int) -> dict[str, float]:
