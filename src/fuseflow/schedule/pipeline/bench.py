@@ -99,6 +99,7 @@ def run_instance(
         "greedy_peak_memory": round(greedy.peak_memory, 4),
         "speedup_vs_serial_1f1b": round(serial.makespan / res.makespan, 4),
         "solve_seconds": res.seconds,
+        "deterministic": res.deterministic,
         "valid": not problems,
         "problems": problems[:5],
         "history": [list(h) for h in res.history],

@@ -2,8 +2,15 @@
 
 Measured on two shared cores: CP-SAT proves a set of memory caps infeasible in
 milliseconds and solves mid-sized capped models (about 400 tasks) in seconds, where the
-randomised list scheduler can wander for a minute; on 32+ micro-batches it is the other
-way round. The solver therefore asks both (see solver.py).
+randomised list scheduler can wander for a minute. On 32+ micro-batches a cold CP-SAT
+search is heavy-tailed (the same capped model took 0.04 or over 4 deterministic seconds
+depending on the cap), but given the previous schedule as a hint it repairs a slightly
+tightened cap in well under one deterministic second. The solver therefore asks both.
+
+Every call runs one search worker with a deterministic time limit (CP-SAT's own work
+measure), so the same call gives the same answer however loaded the machine is; the
+wall-clock limit is only a safety stop. Two workers on two shared cores made results
+depend on thread timing.
 
 Every model shares the same core: one start variable per task with the window its
 dependency chains allow inside the horizon, one no-overlap per device and one linear
@@ -24,11 +31,24 @@ MEM_SCALE = 1000  # memory is integer in CP-SAT: units of 1/1000
 
 @dataclass
 class CpOutcome:
-    """`status` is "solved", "infeasible" (proved) or "unknown" (time ran out)."""
+    """`status` is "solved", "infeasible" (proved) or "unknown" (effort ran out)."""
 
     status: str
     start: list[int] | None = None
     bound: float | None = None  # proved lower bound on the objective, in memory units
+    deterministic: bool = True  # False when the wall-clock safety stop ended the search
+    det_used: float = 0.0  # deterministic seconds the search used
+    conflicts: int = 0
+
+
+@dataclass(frozen=True)
+class Effort:
+    """Limits of one CP-SAT call: `det` deterministic seconds and at most `conflicts`
+    conflicts (both reproducible), `wall` seconds as a safety stop."""
+
+    det: float
+    wall: float
+    conflicts: int | None = None
 
 
 class _Model:
@@ -67,53 +87,62 @@ class _Model:
             m.add_cumulative(intervals, demands, cap)
         return cap
 
-    def run(self, budget: float, hint: list[int] | None, seed: int) -> tuple[cp_model.CpSolver, int]:
+    def run(self, effort: Effort, hint: list[int] | None, seed: int) -> tuple[cp_model.CpSolver, int]:
         if hint is not None:
             for var, value in zip(self.s, hint, strict=True):
                 self.m.add_hint(var, value)
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.05, budget)
-        solver.parameters.num_workers = 2
+        solver.parameters.max_deterministic_time = max(0.01, effort.det)
+        solver.parameters.max_time_in_seconds = max(0.05, effort.wall)
+        solver.parameters.num_workers = 1
+        if effort.conflicts is not None:
+            solver.parameters.max_number_of_conflicts = effort.conflicts
         solver.parameters.random_seed = seed
+        # The LP relaxation re-solved thousands of times per repair, and the precedence
+        # reasoning inside no-overlap was most of what was left: without both, a repair on
+        # "8,8,32,32,5,2,1.95,1" took 0.45 CPU seconds instead of 2.5, same answer.
+        solver.parameters.linearization_level = 0
+        solver.parameters.use_precedences_in_disjunctive_constraint = False
         return solver, solver.solve(self.m)
 
 
-def _outcome(model: _Model, solver: cp_model.CpSolver, status: int, bound: float | None = None) -> CpOutcome:
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return CpOutcome("solved", [solver.value(v) for v in model.s], bound)
-    if status == cp_model.INFEASIBLE:
-        return CpOutcome("infeasible")
-    return CpOutcome("unknown")
-
-
-def feasible(g: TaskGraph, horizon: int, budget: float, hint: list[int] | None = None, seed: int = 0) -> CpOutcome:
-    """A schedule of `g` (with its posted edges) ending by `horizon`, if one is found."""
-    model = _Model(g, horizon)
-    if model.empty:
-        return CpOutcome("infeasible")
-    solver, status = model.run(budget, hint, seed)
-    return _outcome(model, solver, status)
-
-
-def within_memory(
-    g: TaskGraph, horizon: int, cap: float, budget: float, hint: list[int] | None = None, seed: int = 0
+def _outcome(
+    model: _Model, solver: cp_model.CpSolver, status: int, effort: Effort, bound: float | None = None
 ) -> CpOutcome:
-    """A schedule ending by `horizon` whose exact peak memory is at most `cap`."""
+    # The wall stop fired if the search ended early in deterministic time without a proof.
+    cut = (
+        status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        and solver.deterministic_time < 0.99 * effort.det
+        and (effort.conflicts is None or solver.num_conflicts < effort.conflicts)
+    )
+    used = {"det_used": solver.deterministic_time, "conflicts": solver.num_conflicts}
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return CpOutcome("solved", [solver.value(v) for v in model.s], bound, not cut, **used)
+    if status == cp_model.INFEASIBLE:
+        return CpOutcome("infeasible", **used)
+    return CpOutcome("unknown", deterministic=not cut, **used)
+
+
+def feasible(g: TaskGraph, horizon: int, effort: Effort, hint: list[int] | None = None, seed: int = 0) -> CpOutcome:
+    """A schedule of `g` (with its posted edges) ending by `horizon`, if one is found.
+
+    With `hint` (a schedule of a slightly looser graph) this is a repair: CP-SAT starts
+    from it and moves only what the new edges break.
+    """
     model = _Model(g, horizon)
     if model.empty:
         return CpOutcome("infeasible")
-    model.m.add(model.memory() <= round(cap * MEM_SCALE))
-    solver, status = model.run(budget, hint, seed)
-    return _outcome(model, solver, status)
+    solver, status = model.run(effort, hint, seed)
+    return _outcome(model, solver, status, effort)
 
 
 def min_memory(
-    g: TaskGraph, horizon: int, budget: float, hint: list[int] | None, below: float, seed: int = 0
+    g: TaskGraph, horizon: int, effort: Effort, hint: list[int] | None, below: float, seed: int = 0
 ) -> CpOutcome:
     """Schedule ending by `horizon` with the least exact peak memory, which must be < `below`.
 
-    Unlike `within_memory` this leaves the model free of structural caps; started from a
-    good incumbent it is the stage that found the lowest peaks on 16-micro-batch instances.
+    Free of structural caps; started from a good incumbent it is the stage that found the
+    lowest peaks on 8- and 16-micro-batch instances.
     """
     model = _Model(g, horizon)
     if model.empty:
@@ -121,6 +150,6 @@ def min_memory(
     peak = model.memory()
     model.m.add(peak <= round(below * MEM_SCALE) - 1)
     model.m.minimize(peak)
-    solver, status = model.run(budget, hint, seed)
+    solver, status = model.run(effort, hint, seed)
     bound = solver.best_objective_bound / MEM_SCALE if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
-    return _outcome(model, solver, status, bound)
+    return _outcome(model, solver, status, effort, bound)

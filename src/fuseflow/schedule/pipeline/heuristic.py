@@ -73,15 +73,19 @@ def search(
     noise: list[float],
     patience: int = 400,
     by_makespan: bool = False,
+    max_rounds: int = 2000,
+    stats: dict[str, int] | None = None,
 ) -> tuple[int, list[int]]:
-    """Search for a schedule of `g` with makespan <= `target` for at most `budget` seconds.
+    """Search for a schedule of `g` with makespan <= `target` in at most `max_rounds` rounds.
 
     Gives up early after `patience` rounds without lowering the tardiness (on the suite,
-    successful searches improved far more often than that). Returns (makespan, start
-    times) of the least tardy schedule seen; `prio` seeds the first round (e.g. a previous
-    schedule's start times). Raises CycleError for cyclic g. With `by_makespan` a round is
-    kept on its makespan alone: a flatter landscape, but on the capped 32-micro-batch
-    instances it found the bound from cold starts where tardiness did not.
+    successful searches improved far more often than that). The effort is counted in
+    rounds so that a seeded search gives the same answer however loaded the machine is;
+    `budget` (seconds) is only a safety stop. Returns (makespan, start times) of the least
+    tardy schedule seen; `prio` seeds the first round (e.g. a previous schedule's start
+    times). Raises CycleError for cyclic g. With `by_makespan` a round is kept on its
+    makespan alone: a flatter landscape, which sometimes finds the bound from cold starts
+    where tardiness does not.
     """
     stop = time.perf_counter() + budget
     lf = latest_finish(g, target)
@@ -92,12 +96,15 @@ def search(
     s, e = justify(g, *sgs(g, prio))
     best_t, best_s, best_e = energy(e), s, e
     n = g.n
-    stale = 0
-    while best_t > 0 and stale < patience and time.perf_counter() < stop:
+    stale = rounds = 0
+    while best_t > 0 and stale < patience and rounds < max_rounds and time.perf_counter() < stop:
+        rounds += 1
         scale = rng.choice(noise)
         s, e = justify(g, *sgs(g, [best_s[i] + rng.random() * scale for i in range(n)]))
         t = energy(e)
         stale = 0 if t < best_t else stale + 1
         if t <= best_t:
             best_t, best_s, best_e = t, s, e
+    if stats is not None:
+        stats["rounds"] = stats.get("rounds", 0) + rounds + 1
     return max(best_e), best_s
