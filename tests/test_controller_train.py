@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from fuseflow.checkpoint import latest_checkpoint
 from fuseflow.cli import app
-from fuseflow.config import load_config
+from fuseflow.config import load_config, load_run_config
 from fuseflow.controller.cluster import LocalCluster
 from fuseflow.controller.group import WorkerFailure
 from fuseflow.controller.ray_backend import RayCluster
@@ -186,3 +187,7 @@ def test_a_killed_worker_ends_the_run_naming_role_rank_and_checkpoint(tmp_path, 
     assert "last checkpoint: step_" in message and f"fuseflow train --resume {run}" in message, message
     assert waited < 30.0, waited  # within the collective timeout, not a hang
     assert not [n for n in ray.util.list_named_actors() if n.startswith(f"fuseflow-{run.name}-")]  # cleaned up
+    # The advertised resume works: fresh workers load the gathered checkpoint (FSDP-sharded again).
+    done = json.loads((latest_checkpoint(run) / "state.json").read_text())["step"]
+    train(load_run_config(run, [f"trainer.steps={done + 1}"]), run, resume=True)
+    assert [r["step"] for r in read_metrics(run)][-2:] == [done, done + 1]
