@@ -100,3 +100,30 @@ def test_migrated_samples_keep_their_tokens():
     for th in pool.run(1, [[], []], lambda _w, s: got.setdefault(s.uid, s.response_ids), tasks):
         th.join()
     assert got == want
+
+
+def test_schedule_config_errors_name_the_field():
+    from fuseflow.config import ConfigError
+
+    assert load_config("sort", ["schedule.mode=async"]).algorithm.policy_loss == "decoupled"
+    for bad, words in ((["schedule.migration_threshold=1.5"], "migration_threshold=1.5"),
+                       (["schedule.mode=async", "algorithm.policy_loss=ppo"], "policy_loss=decoupled"),
+                       (["schedule.mode=fused", "rollout.backend=sampler"], "rollout.backend=engine"),
+                       (["schedule.mode=fused", "backend=ray"], "backend=local")):
+        with pytest.raises(ConfigError, match=words):
+            load_config("sort", bad)
+
+
+def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
+    from fuseflow.bench.fusion import run_fusion
+
+    out = run_fusion(steps=2, workers=2, quick=True, modes=("sequential", "fused"), trl_steps=0,
+                     plot=tmp_path / "reward.png", work_dir=tmp_path, extra=[f"cache_dir={sft_cache}"],
+                     log=lambda *_: None)
+    assert set(out["modes"]) == {"sequential", "fused"}
+    assert out["modes"]["sequential"]["speedup_vs_sequential"] == 1.0
+    for r in out["modes"].values():
+        assert r["samples_per_second"] > 0 and 0 < r["busy_fraction"] <= 1 and len(r["reward_per_step"]) == 2
+    # fused trains like sequential, so its rewards match step for step
+    assert out["modes"]["fused"]["reward_per_step"] == out["modes"]["sequential"]["reward_per_step"]
+    assert (tmp_path / "reward.png").stat().st_size > 0
