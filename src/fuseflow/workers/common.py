@@ -8,9 +8,8 @@ from contextlib import nullcontext
 
 import torch
 
-from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.data.batch import Batch, length_sorted_microbatches, pad_sequences, scatter_rows, trim_padding
 from fuseflow.rollout.base import Sample
-from fuseflow.schedule.microbatch import length_sorted_microbatches, scatter_rows, trim_padding
 
 
 def samples_to_batch(samples: list[Sample], pad_id: int, prompts: list[str], responses: list[str]) -> Batch:
