@@ -96,8 +96,14 @@ class Strategy:
             gen = self._generate(step, self.t.requests_for(step, 0, t.cfg.trainer.prompts_per_step, 0),
                                  stream=self.stages if s.fused else (), after=self.stages, foreground=True)
         self._set_weights(step - 1)
-        if s.asynchronous and step < t.cfg.trainer.steps:
-            self._start_prefetch(step + 1)
+        if s.asynchronous:
+            # Old log-probs and values need the just-trained models, so they run after the previous
+            # step's training; running them here, on both workers and before the next step's
+            # generation starts, keeps them off the critical path's single controller thread and
+            # lets that generation overlap this step's training instead of this inference.
+            self._complete(step, gen)
+            if step < t.cfg.trainer.steps:
+                self._start_prefetch(step + 1)
         batch, metrics = self._assemble(step, gen)
         if s.asynchronous:
             versions = batch.meta["policy_version"]
@@ -199,6 +205,22 @@ class Strategy:
             for name, by_uid in fut.result().items():
                 gen.rows.setdefault(name, {}).update(by_uid)
         return gen
+
+    def _complete(self, step: int, gen: Generated) -> None:
+        """Stages not run during generation, as length-sorted micro-batches on the idle rollout workers."""
+        missing = tuple(name for name in self.stages if _field_of(name) not in gen.rows)
+        if not missing:
+            return
+        prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
+        tasks = TaskQueue()
+        results = [tasks.submit(lambda g=g: self._infer(step, g, missing, prompt_of))
+                   for g in _by_length(gen.samples, self.s.token_budget)]
+        tasks.closed.set()
+        for th in self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks):
+            th.join()
+        for fut in results:
+            for name, by_uid in fut.result().items():
+                gen.rows.setdefault(name, {}).update(by_uid)
 
     def _help(self, step: int, tasks: TaskQueue) -> bool:
         t0 = time.perf_counter()
