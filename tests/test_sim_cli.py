@@ -48,6 +48,53 @@ def test_plan_json_and_write_config(app, tmp_path):
     assert "placement:" in out.read_text() and "prompts_per_step: 32" in out.read_text()
 
 
+def _plan_config(app, tmp_path, *extra: str):
+    out = tmp_path / "plan.yaml"
+    res = runner.invoke(app, ["plan", "--top", "1", "--prompt-len", "256", "--response-len", "256", *extra,
+                              "--write-config", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.parametrize("extra", [
+    ("--model", "llama-70b", "--gpus", "256", "--gpu-type", "H100", "--policies", "sequential,async"),
+    ("--model", "qwen2.5-7b", "--gpus", "16", "--gpu-type", "L40S", "--algorithm", "grpo",
+     "--samples-per-prompt", "8", "--prompts", "64", "--policies", "sequential"),
+])  # fmt: skip
+def test_written_plan_loads_through_the_real_config(app, tmp_path, extra):
+    import yaml
+
+    from fuseflow.config import load_config
+
+    out = _plan_config(app, tmp_path, *extra)
+    text = out.read_text()
+    tree = yaml.safe_load(text)
+    cfg = load_config("default", base=tree)  # raises ConfigError on any key fuseflow rejects
+    assert cfg.backend == "ray" and cfg.schedule.mode == "sequential"
+    pools = cfg.resolved_placement().pools
+    dp = cfg.role_dp()
+    for role in ("actor", "critic"):  # a training role shards over its whole pool, an equal share per rank
+        assert dp[role] == pools[getattr(cfg.placement, role)].size
+        assert cfg.trainer.mini_batch_size % dp[role] == 0
+    gpus = int(extra[extra.index("--gpus") + 1])
+    assert sum(p.size for p in pools.values()) <= gpus
+    assert text.startswith("# fuseflow plan: ") and "layouts" in text  # the TP/PP plan survives as comments
+
+
+def test_written_plan_is_accepted_by_config_show(app, tmp_path):
+    from fuseflow.cli import app as fuseflow_app
+
+    out = _plan_config(app, tmp_path, "--model", "llama-7b", "--gpus", "16", "--gpu-type", "A100",
+                       "--prompts", "64", "--policies", "sequential")  # fmt: skip
+    res = runner.invoke(fuseflow_app, ["config", "show", "--config", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "backend: ray" in res.output and "gpus_per_worker: 1.0" in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backend: ray\npools: {x: {nodes: 1}}\n")
+    res = runner.invoke(fuseflow_app, ["config", "show", "--config", str(bad)])
+    assert res.exit_code == 2 and "pools.x: no role is placed on it" in res.output
+
+
 def test_plan_uses_a_length_trace(app, tmp_path):
     lens = tmp_path / "lens.txt"
     args = ["plan", "--model", "llama-7b", "--gpus", "8", "--gpu-type", "A100", "--json", "--top", "1",

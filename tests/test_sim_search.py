@@ -9,7 +9,8 @@ import pytest
 from fuseflow.sim.hardware import get_hardware
 from fuseflow.sim.modelspec import get_model
 from fuseflow.sim.placement import Problem, candidate_layouts, compositions, set_partitions
-from fuseflow.sim.search import Searcher, plan_config_tree, search, structure_kind, unit_size
+from fuseflow.sim.plan_config import plan_config_tree
+from fuseflow.sim.search import Searcher, search, structure_kind, unit_size
 from fuseflow.sim.workload import LengthDist, Workload
 
 
@@ -64,9 +65,10 @@ def test_search_returns_feasible_ranked_plans():
                 if role != "rollout":
                     assert c.plan.layout(role).gpus == s.gpus
         assert max(c.memory_gb.values()) * 1e9 <= p.hw.usable_memory
-    tree = plan_config_tree(p, top[0])
+    tree, notes = plan_config_tree(p, top[0])
     assert tree["trainer"]["mini_batch_size"] % tree["trainer"]["micro_batch_size"] == 0
-    assert sum(s["gpus"] for s in tree["placement"]["sets"]) == 16
+    used = sum(pool["nodes"] * pool["workers_per_node"] for pool in tree["pools"].values())
+    assert used <= 16 and any("GPUs" in line for line in notes)
 
 
 def test_infeasible_problem_is_reported():

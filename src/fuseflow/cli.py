@@ -42,13 +42,31 @@ def _user_errors():
 
 
 @config_app.command("show")
-def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET) -> None:
+def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET,
+                config: Path = typer.Option(None, "--config", "-c", help="A YAML config tree (e.g. written by "
+                                            "`fuseflow plan --write-config`); keys it leaves out take their "
+                                            "defaults.")) -> None:
     """Print the resolved config as YAML."""
     try:
-        cfg = load_config(preset, overrides)
+        base = _read_config_file(config) if config is not None else None
+        cfg = load_config(preset, overrides, base=base)
     except ConfigError as e:
         fail(str(e))
     typer.echo(cfg.to_yaml(), nl=False)
+
+
+def _read_config_file(path: Path) -> dict:
+    import yaml
+
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of config sections, got {type(tree).__name__}")
+    return tree
 
 
 @app.command()

@@ -16,9 +16,10 @@ import yaml
 from .hardware import get_hardware, hardware_names
 from .modelspec import get_model, model_names
 from .placement import Problem
+from .plan_config import plan_config_tree
 from .policies import parse_policy
 from .scenarios import SCENARIOS, run_scenario
-from .search import plan_config_tree, search
+from .search import search
 from .workload import LengthDist, Workload
 
 
@@ -131,9 +132,7 @@ def plan_cmd(
         "plans": [c.to_dict() for c in cands], "search": stats,
     }  # fmt: skip
     if write_config is not None:
-        write_config.parent.mkdir(parents=True, exist_ok=True)
-        tree = plan_config_tree(problem, cands[0])
-        write_config.write_text(f"# fuseflow plan: {spec.name} on {gpus} x {hw.name}\n" + yaml.safe_dump(tree, sort_keys=False))
+        _write_plan_config(write_config, problem, cands[0])
     lines = [f"{spec.name} on {gpus} x {hw.name} ({algorithm}), searched in {stats['seconds']}s:"]
     for i, c in enumerate(data["plans"], 1):
         sets = " | ".join(f"{'+'.join(s['roles'])}:{s['gpus']}" for s in c["sets"])
@@ -141,6 +140,24 @@ def plan_cmd(
                      f"generation tp{c['generation']['tp']} pp{c['generation']['pp']}; "
                      f"layouts {c['layouts']}; peak GB/GPU {c['memory_gb_per_gpu']}")  # fmt: skip
     _emit(data, as_json, None, "\n".join(lines))
+
+
+def _write_plan_config(path: Path, problem: Problem, cand) -> None:
+    """Write the plan as a fuseflow config after checking it with the real config model.
+
+    The import is here, in the CLI glue, so the simulator proper never depends on the
+    config layer; a plan that fuseflow cannot run exits 2 with the config's own message.
+    """
+    from fuseflow.config import ConfigError, load_config
+
+    tree, notes = plan_config_tree(problem, cand)
+    try:
+        load_config("default", base=tree)
+    except ConfigError as err:
+        _fail(f"--write-config: this plan is not a valid fuseflow config: {err}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = "".join(f"# {line}\n" for line in notes)
+    path.write_text(header + yaml.safe_dump(tree, sort_keys=False))
 
 
 def calibrate_cmd(

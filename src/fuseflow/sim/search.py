@@ -20,10 +20,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
-import numpy as np
-
 from .costmodel import (
-    TRAIN_MICRO_BATCH_TOKENS,
     DecodeModel,
     Layout,
     broadcast_seconds,
@@ -303,34 +300,3 @@ def search(
     stats = {"structures": len(s.structures()), "set_choices_evaluated": s.evaluated,
              "candidates_simulated": len(pool), "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
     return ranked[:top], stats
-
-
-def plan_config_tree(problem: Problem, cand: Candidate) -> dict:
-    """A fuseflow config tree for a plan: batch settings plus a `placement` section.
-
-    The batch keys mirror fuseflow's config (trainer.*, algorithm.*, model.max_*_len);
-    `placement` carries the device sets, per-role layouts, generation layout and policy.
-    """
-    wl = problem.workload
-    policy, res = cand.best()
-    mini = max(1, wl.samples // wl.mini_batches)
-    mean_len = float(np.mean(problem.workload.step(0).seq_lens))
-    per_mb = max(1, int(TRAIN_MICRO_BATCH_TOKENS // mean_len))
-    micro = max(d for d in range(1, mini + 1) if mini % d == 0 and d <= per_mb)
-    sets = []
-    for s in cand.plan.sets:
-        lays = {r: {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero": lay.zero, "recompute": lay.recompute}
-                for r, lay in cand.plan.layouts if r in s.roles}  # fmt: skip
-        sets.append({"roles": list(s.roles), "gpus": s.gpus, "layouts": lays})
-    return {
-        "algorithm": {"name": wl.algorithm, "group_size": wl.samples_per_prompt},
-        "model": {"max_prompt_len": wl.prompt_len.max_len, "max_response_len": wl.response_len.max_len},
-        "trainer": {"prompts_per_step": wl.prompts, "mini_batch_size": mini, "micro_batch_size": micro,
-                    "epochs": wl.epochs},
-        "placement": {
-            "gpu_type": problem.hw.name, "gpus": problem.gpus, "policy": policy,
-            "generation": {"tp": cand.plan.gen[0], "pp": cand.plan.gen[1]}, "sets": sets,
-            "predicted": {"iteration_seconds": round(res.iteration_seconds, 4),
-                          "memory_gb_per_gpu": {k: round(v, 2) for k, v in cand.memory_gb.items()}},
-        },
-    }  # fmt: skip
