@@ -110,11 +110,7 @@ def _outcome(
     model: _Model, solver: cp_model.CpSolver, status: int, effort: Effort, bound: float | None = None
 ) -> CpOutcome:
     # The wall stop fired if the search ended early in deterministic time without a proof.
-    cut = (
-        status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-        and solver.deterministic_time < 0.99 * effort.det
-        and (effort.conflicts is None or solver.num_conflicts < effort.conflicts)
-    )
+    cut = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and solver.wall_time >= 0.98 * effort.wall
     used = {"det_used": solver.deterministic_time, "conflicts": solver.num_conflicts}
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return CpOutcome("solved", [solver.value(v) for v in model.s], bound, not cut, **used)

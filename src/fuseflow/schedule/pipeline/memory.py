@@ -33,13 +33,15 @@ DESCENT_PATIENCE = 100
 # count is the practical limit.
 CP_REPAIR_DET = 0.5
 CP_REPAIR_CONFLICTS = 30
-CP_MEMORY_MAX_TASKS = 1600  # above this the exact-memory CP model rarely improves in time
-# Exact-memory CP-SAT calls stop at EXACT_DET deterministic seconds or at
-# EXACT_CONFLICT_WORK / tasks conflicts, whichever comes first. CP-SAT's deterministic
-# clock under-counts the cumulative constraint: 3 deterministic seconds cost 7 CPU seconds
-# on 512 tasks and 29 on 768, while a conflict cost about 0.7 ms per 100 tasks.
+CP_MEMORY_MAX_TASKS = 1100  # above this the exact-memory CP model rarely improves in time
+# Exact-memory CP-SAT calls stop at EXACT_DET deterministic seconds: about 10 CPU seconds
+# on 512 tasks ("8,8,16,16,...", where it reached the optimum 15.6 from the descent's
+# 19.85 for three seeds out of three; a conflict limit cut one of them off before any
+# improvement, so there is none). CP-SAT's deterministic clock under-counts this model,
+# so its cost grows faster than the task count; the stage is skipped above
+# CP_MEMORY_MAX_TASKS.
 EXACT_DET = 2.0
-EXACT_CONFLICT_WORK = 1_500_000
+EXACT_FREE_DET = 1.0  # the unstructured model: 20-32 CPU seconds for 2.0 on 768-1024 tasks
 FLATTEN_WORK = 2_000_000  # task-rounds for the whole flattening stage
 FLATTEN_ROUNDS = 200  # list-scheduling rounds per flattening trial at most
 
@@ -109,7 +111,7 @@ def descent(sr: Search) -> None:
         sr.offer("memory-descent", cur, edges)
 
 
-def exact(sr: Search, strict: bool) -> bool:
+def exact(sr: Search, strict: bool, det: float = EXACT_DET) -> bool:
     """CP-SAT minimising the exact peak from the incumbent (small models only); True if it
     improved. With `strict` the heavier model keeps its strict 1F1B order."""
     if sr.g0.n > CP_MEMORY_MAX_TASKS or sr.left() < 0.5:
@@ -122,7 +124,7 @@ def exact(sr: Search, strict: bool) -> bool:
         cpsat.min_memory(
             g0.with_edges(edges),
             sr.best_score[0],
-            sr.effort(EXACT_DET, EXACT_CONFLICT_WORK // g0.n),
+            sr.effort(det),
             sr.best_start,
             sr.peak,
             sr.seed,
@@ -133,15 +135,16 @@ def exact(sr: Search, strict: bool) -> bool:
 
 def minimise(sr: Search) -> None:
     """The memory stages in order: descent and strict exact CP-SAT take turns while either
-    improves, then exact CP-SAT without structure, then flattening."""
+    improves, then flattening, then a shorter exact CP-SAT call without structure (last,
+    because it is the costliest per improvement found)."""
     descent(sr)
     while exact(sr, strict=True):
         before = sr.peak
         descent(sr)
         if sr.peak >= before:
             break
-    exact(sr, strict=False)
     flatten(sr)
+    exact(sr, strict=False, det=EXACT_FREE_DET)
 
 
 def flatten(sr: Search) -> None:
