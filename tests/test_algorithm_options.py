@@ -108,7 +108,8 @@ def test_actor_decoupled_loss_is_ppo_when_behaviour_equals_proximal_and_weights_
     batch["behavior_logprobs"] = batch["old_logprobs"].clone()
     ppo, ppo_model = _update(model, batch)
     dec, dec_model = _update(model, batch, "algorithm.policy_loss=decoupled")
-    assert dec["actor/is_weight_mean"] == 1.0 and dec["actor/is_cap_frac"] == 0.0
+    # Means over length-sorted micro-batches are token-weighted in fp32, so 1.0 comes back within rounding.
+    assert dec["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-6) and dec["actor/is_cap_frac"] == 0.0
     assert {k: v for k, v in dec.items() if not k.startswith("actor/is_")} == ppo
     assert all(torch.equal(a, b) for a, b in zip(ppo_model.parameters(), dec_model.parameters(), strict=True))
     # A behaviour policy 0.5 nats less likely on every token: each weight is e^0.5, the loss scales by it.
@@ -117,7 +118,7 @@ def test_actor_decoupled_loss_is_ppo_when_behaviour_equals_proximal_and_weights_
     assert shifted["actor/is_weight_mean"] == pytest.approx(math.exp(0.5))
     assert shifted["actor/pg_loss"] == pytest.approx(math.exp(0.5) * ppo["actor/pg_loss"], rel=1e-5)
     capped, _ = _update(model, batch, "algorithm.policy_loss=decoupled", "algorithm.is_cap=1.5")
-    assert capped["actor/is_cap_frac"] == 1.0 and capped["actor/is_weight_mean"] == pytest.approx(1.5)
+    assert capped["actor/is_cap_frac"] == pytest.approx(1.0) and capped["actor/is_weight_mean"] == pytest.approx(1.5)
     assert capped["actor/pg_loss"] == pytest.approx(1.5 * ppo["actor/pg_loss"], rel=1e-5)
 
 
