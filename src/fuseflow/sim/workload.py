@@ -91,7 +91,9 @@ class StepBatch:
 
     prompt_lens: (N,) prompt tokens per sample (equal within a group).
     response_lens: (N,) true response tokens per sample.
-    predicted_lens: (N,) a length predictor's guess: one earlier sample of the same prompt.
+    predicted_lens: (N,) a length predictor's guess from the prompt's previous responses:
+        the geometric mean of its k responses of an earlier step (k = samples per prompt),
+        the same for every sample of a group.
     group: (N,) prompt index of each sample.
     """
 
@@ -153,7 +155,10 @@ class Workload:
         k = self.samples_per_prompt
         z_prompt = np.repeat(rng.standard_normal(self.prompts), k)  # (N,)
         z_sample = rng.standard_normal(self.samples)  # (N,)
-        z_history = rng.standard_normal(self.samples)  # the predictor saw a different sample of the prompt
+        # The predictor saw the k responses of an earlier step to the same prompt (RLHFless
+        # predicts from a prompt's length history); their geometric mean keeps the prompt's
+        # part and averages the per-sample part: log-mean of k draws has std 1/sqrt(k).
+        z_history = np.repeat(rng.standard_normal((self.prompts, k)).mean(axis=1), k)  # (N,)
         p_rng = np.random.default_rng([self.seed, index, 1])
         plen = np.repeat(self.prompt_len.sample(p_rng.standard_normal(self.prompts), np.zeros(self.prompts), 1.0,
                                                 p_rng), k)  # fmt: skip
