@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fuseflow.config import ConfigError, load_config, load_run_config, preset_names
 from fuseflow.controller.group import WorkerFailure
@@ -30,7 +31,7 @@ PRESET = typer.Option("default", "--preset", "-p", help="Config preset shipped w
 
 
 def fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

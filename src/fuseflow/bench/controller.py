@@ -139,6 +139,7 @@ def register(bench_app) -> None:
                          preset: str = typer.Option("default", "--preset", "-p", help="Config preset.")) -> None:
         """Step time of local vs Ray (dp=1) vs Ray (dp=2), as ratios, with the controller's overhead per step."""
         from rich.console import Console
+        from rich.markup import escape
 
         from fuseflow.config import ConfigError
 
@@ -146,7 +147,7 @@ def register(bench_app) -> None:
         try:
             result = run_controller_bench(overrides, steps, threads, preset, log=console.print)
         except (ConfigError, ValueError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         for name, v in result["variants"].items():
             console.print(f"{name:8s} step {v['step_seconds']:.2f}s  workers {v['worker_compute']:.2f}s  "

@@ -146,6 +146,7 @@ def register(bench_app) -> None:
                      ) -> None:
         """PPO on `sort` in sequential, fused, async and fused+async; samples/s per mode; GRPO vs TRL."""
         from rich.console import Console
+        from rich.markup import escape
 
         from fuseflow.config import ConfigError
 
@@ -157,7 +158,7 @@ def register(bench_app) -> None:
             result = run_fusion(steps, workers, quick, tuple(mode or MODES), trl_steps, 1, plot, None, overrides,
                                 console.print)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         for name, r in result["modes"].items():
             console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "

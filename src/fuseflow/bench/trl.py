@@ -87,6 +87,8 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     ``speedup_vs_trl`` is fuseflow samples/s over TRL samples/s (wall clock, after warm-up). Run files go
     to ``work_dir`` (kept) or a temporary directory (removed).
     """
+    if cfg.algorithm.name != "grpo":  # checked first: a bad config is reported even without TRL installed
+        raise ValueError(f"algorithm.name must be grpo for the TRL comparison, got {cfg.algorithm.name}")
     try:
         import datasets
         import trl
@@ -95,8 +97,6 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
         raise ImportError(f"fuseflow bench trl needs TRL: pip install 'fuseflow[bench]' ({exc})") from exc
     from fuseflow.trainer import PromptStream, RLTrainer
 
-    if cfg.algorithm.name != "grpo":
-        raise ValueError(f"algorithm.name must be grpo for the TRL comparison, got {cfg.algorithm.name}")
     if cfg.trainer.steps < 1:
         raise ValueError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     torch.set_num_threads(threads)
@@ -215,6 +215,7 @@ def register(bench_app) -> None:
                   ) -> None:
         """GRPO on `sort`: fuseflow vs TRL's GRPOTrainer, same weights, batch and lengths; samples/s ratio."""
         from rich.console import Console
+        from rich.markup import escape
 
         from fuseflow.config import ConfigError
 
@@ -224,7 +225,7 @@ def register(bench_app) -> None:
                 raise ValueError(f"--steps and --threads must be >= 1, got {steps} and {threads}")
             result = run_trl_comparison(bench_config(overrides, quick, steps), threads, log=console.print)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         f, r = result["fuseflow"], result["trl"]
         console.print(f"fuseflow {f['samples_per_second']:.1f} samples/s, TRL {r['samples_per_second']:.1f} "
