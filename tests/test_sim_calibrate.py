@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import yaml
 
-from fuseflow.sim.calibrate import StepRecord, calibrate, load_run, predict_stages, step_lengths
+from fuseflow.sim.calibrate import (
+    StepRecord,
+    calibrate,
+    load_run,
+    predict_stages,
+    step_lengths,
+    trimmed_widths,
+)
 from fuseflow.sim.hardware import get_hardware
 
 TINY = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -84,3 +91,29 @@ def test_factors_fitted_on_one_run_predict_another(tmp_path):
     out = calibrate(tmp_path / "a", "cpu", predict_dir=tmp_path / "b")
     assert out["other_run"]["measured"] > 1.3 * out["median_step_seconds"]["measured"]
     assert abs(out["other_run"]["relative_error"]) < 0.05
+
+
+def test_trimmed_widths_by_hand():
+    # Longest first: [10] alone (10 x 2 = 20 > 12), then [4, 4, 3] at width 4 (4 x 3 = 12).
+    assert trimmed_widths(np.array([10, 4, 4, 3]), budget=12, max_rows=8).tolist() == [10, 4, 4, 4]
+    # At most 2 rows per group, longest first: [10, 4] at width 10, then [4, 3] at width 4.
+    assert trimmed_widths(np.array([3, 4, 10, 4]), budget=100, max_rows=2).tolist() == [4, 10, 10, 4]
+
+
+def test_trimmed_micro_batches_price_less_than_padding(tmp_path):
+    # A run with schedule.token_budget groups rows by length: one long response no longer
+    # widens every row, so inference and training cost less than on the padded batch.
+    fabricate(tmp_path, steps=2)
+    padded = load_run(tmp_path)
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    cfg["schedule"] = {"token_budget": 4096}
+    cfg["rollout"] = {"backend": "engine"}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    trimmed = load_run(tmp_path)
+    assert padded.token_budget is None and trimmed.token_budget == 4096 and not trimmed.padded_prompts
+    hw = get_hardware("cpu").with_efficiency(**TRUE)
+    rec = StepRecord(0, 128, 20.0, 6.0, 60, 0.0, prompt_max=30.0)
+    a, b = predict_stages(padded, rec, hw), predict_stages(trimmed, rec, hw)
+    for stage in ("reference", "old_logprob", "actor_update", "critic_update"):
+        assert b[stage] < a[stage], stage
+    assert b["generate"] <= a["generate"]  # the engine starts each row at its own prompt length

@@ -56,6 +56,10 @@ class RunData:
     micro_batch_size: int
     epochs: int
     steps: list[StepRecord]
+    # Runs since the length-sorted micro-batches (config schedule.token_budget) group rows by
+    # length and trim each group to its longest row; None: older runs, padded to the batch.
+    token_budget: int | None = None
+    padded_prompts: bool = True  # the old sampler left-pads prompts; the rollout engine does not
 
 
 def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
@@ -104,8 +108,11 @@ def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
     steps = [s for s in steps if s.stages or not need_trace]
     if not steps:
         raise ValueError(f"run_dir {str(run)!r}: no step has both metrics and trace events")
+    budget = (cfg.get("schedule") or {}).get("token_budget")
+    backend = (cfg.get("rollout") or {}).get("backend", "sampler")
     return RunData(model, (cfg.get("algorithm") or {}).get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
-                   int(trainer.get("micro_batch_size", 1 << 30)), int(trainer.get("epochs", 1)), steps)  # fmt: skip
+                   int(trainer.get("micro_batch_size", 1 << 30)), int(trainer.get("epochs", 1)), steps,
+                   int(budget) if budget else None, backend != "engine")  # fmt: skip
 
 
 def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +128,32 @@ def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
         resp[:] = max(1.0, (n * rec.response_mean - rec.response_max) / (n - 1))
         resp[0] = rec.response_max
     prompt = np.full(n, max(1.0, rec.prompt_mean))
+    if n > 1 and rec.prompt_max > rec.prompt_mean:  # the same split for prompts, when the max is logged
+        prompt[:] = max(1.0, (n * rec.prompt_mean - rec.prompt_max) / (n - 1))
+        prompt[0] = rec.prompt_max
     return np.round(prompt).astype(int), np.round(resp).astype(int)
+
+
+def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int) -> np.ndarray:
+    """(N,) the width each row is computed at under length-sorted, trimmed micro-batches.
+
+    Rows are sorted longest first and cut into consecutive groups of at most `max_rows`
+    rows whose padded size (rows x longest row) stays within `budget` (a group holds at
+    least one row); each row then costs its group's longest length, as in fuseflow's
+    `Batch.chunk_by_token_budget` and the workers' micro-batches.
+    Example: lengths [10, 4, 4, 3], budget 12, max_rows 8 -> widths [10, 4, 4, 4].
+    """
+    order = np.argsort(-lengths, kind="stable")
+    widths = np.empty(len(lengths), dtype=float)
+    start = 0
+    while start < len(order):
+        top = float(lengths[order[start]])
+        end = start + 1
+        while end < len(order) and end - start < max_rows and top * (end - start + 1) <= budget:
+            end += 1
+        widths[order[start:end]] = top
+        start = end
+    return widths
 
 
 def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str, float]:
@@ -129,16 +161,26 @@ def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str,
     m, lay = run.model, Layout()
     prompt, resp = step_lengths(rec)
     n = len(resp)
-    # fuseflow's batches are padded (prompts on the left to the longest prompt, responses
-    # on the right to the longest response) and never unpadded, so every forward and
-    # backward runs on n x (prompt_max + response_max) tokens, and the sampler's KV
-    # context starts at prompt_max for every row.
     p_max = max(rec.prompt_max, float(prompt.max()))
-    seq = np.full(n, p_max + float(resp.max()))
-    mb_tokens = max(1, int(min(run.micro_batch_size, n) * float(seq[0])))
     mini = max(1, n // min(run.mini_batch_size, n))
+    if run.token_budget is None:
+        # Older runs: batches padded (prompts on the left to the longest prompt, responses on
+        # the right to the longest response) and never unpadded, so every forward and
+        # backward runs on n x (prompt_max + response_max) tokens.
+        seq = train_seq = np.full(n, p_max + float(resp.max()))
+        mb_tokens = train_mb = max(1, int(min(run.micro_batch_size, n) * float(seq[0])))
+    else:
+        # Length-sorted micro-batches trimmed to their longest row, within the token budget.
+        real = (prompt + resp).astype(float)
+        seq = trimmed_widths(real, run.token_budget, n)
+        train_seq = trimmed_widths(real, run.token_budget, min(run.micro_batch_size, n))
+        mb_tokens = run.token_budget
+        # Training micro-batches also hold at most micro_batch_size rows.
+        train_mb = max(1, int(min(run.token_budget, min(run.micro_batch_size, n) * float(train_seq.mean()))))
     dm = DecodeModel(m, hw)
-    seqs = [Seq(i, int(p_max), int(r)) for i, r in enumerate(resp)]
+    # The old sampler starts every row's KV context at the longest prompt; the engine at its own.
+    seqs = [Seq(i, int(p_max) if run.padded_prompts else int(p), int(r))
+            for i, (p, r) in enumerate(zip(prompt, resp, strict=True))]  # fmt: skip
     value = m.as_value_model()
     host = hw.efficiency.host_seconds_per_sample * n
     out = {
@@ -147,12 +189,12 @@ def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str,
         "old_logprob": infer_cost(m, hw, lay, seq, mb_tokens).seconds,
         "reward": host,
         "advantages": host,
-        "actor_update": train_cost(m, hw, lay, seq, mini, run.epochs, mb_tokens).seconds,
+        "actor_update": train_cost(m, hw, lay, train_seq, mini, run.epochs, train_mb).seconds,
         "weight_sync": 0.0,  # the CPU sampler shares the trainer's weights: nothing moves
     }
     if run.algorithm == "ppo":
         out["values"] = infer_cost(value, hw, lay, seq, mb_tokens).seconds
-        out["critic_update"] = train_cost(value, hw, lay, seq, mini, run.epochs, mb_tokens).seconds
+        out["critic_update"] = train_cost(value, hw, lay, train_seq, mini, run.epochs, train_mb).seconds
     return out
 
 
