@@ -1,6 +1,10 @@
 """Execution modes train alike: fused == sequential, async at max_staleness 0 == sequential, and every
 async sample respects the staleness bound; migration mid-sample keeps the tokens."""
 
+import os
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -100,6 +104,33 @@ def test_migrated_samples_keep_their_tokens():
     for th in pool.run(1, [[], []], lambda _w, s: got.setdefault(s.uid, s.response_ids), tasks):
         th.join()
     assert got == want
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread scheduling policy is Linux-only")
+def test_background_workers_yield_the_cpu_until_training_ends():
+    model = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=40), seed=0).eval()
+    pool = RolloutPool(model, 1, EngineConfig(max_num_seqs=8), None, Tracer(), first_track=1)
+    seen, release = [], threading.Event()
+
+    def task():  # runs on the worker thread: its policy while "training" runs, then after restore
+        seen.append(os.sched_getscheduler(0))
+        release.wait(10)
+        seen.append(os.sched_getscheduler(0))
+
+    tasks = TaskQueue()
+    done = tasks.submit(task)
+    tasks.closed.set()
+    threads = pool.run(1, [[]], lambda _w, _s: None, tasks, background=True)
+    while not seen:
+        threading.Event().wait(0.001)
+    pool.restore_priority()  # root may leave SCHED_IDLE; without the privilege the worker keeps it
+    release.set()
+    for th in threads:
+        th.join()
+    done.result()
+    assert seen[0] == os.SCHED_IDLE
+    assert seen[1] in ((os.SCHED_OTHER,) if os.geteuid() == 0 else (os.SCHED_OTHER, os.SCHED_IDLE))
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the controller thread is never demoted
 
 
 def test_schedule_config_errors_name_the_field():

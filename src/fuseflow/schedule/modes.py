@@ -88,6 +88,7 @@ class Strategy:
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Samples for ``step`` with rewards, old/reference log-probs and values, and the mode's metrics."""
         s, t = self.s, self.t
+        self.pool.restore_priority()  # training is over: a prefetch still decoding gets full priority
         if self.prefetch is not None and self.prefetch[0] == step:
             gen = self.prefetch[1].result()  # generated during the previous step's training
             self.prefetch = None
@@ -152,7 +153,10 @@ class Strategy:
         requests, prompts = drawn
         n, tasks, arrived = len(requests), TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
-        threads = self.pool.run(step, self._shards(requests), lambda _w, smp: arrived.put(smp), tasks)
+        # A background (prefetch) generation runs beside training, the critical path: its workers
+        # run under SCHED_IDLE so that training keeps its core (measured in docs/benchmarks.md).
+        threads = self.pool.run(step, self._shards(requests), lambda _w, smp: arrived.put(smp), tasks,
+                                background=not foreground)
         # With one rollout worker the controller thread is the second core's inference worker.
         helps = foreground and len(self.pool) == 1
         batcher: TokenBudgetBatcher[Sample] = TokenBudgetBatcher(self.s.token_budget)
