@@ -37,17 +37,23 @@ def test_prompt_share_makes_lengths_predictable():
 
 def test_predictor_averages_the_groups_history():
     # rho = 0.5: one earlier response predicts log length with correlation 0.5; the geometric
-    # mean of a group's 8 earlier responses with 0.5 / sqrt(0.5 + 0.5 / 8) = 0.67.
-    def corr(k: int) -> tuple[float, np.ndarray]:
-        b = Workload(prompts=4000 // k, samples_per_prompt=k, prompt_share=0.5, algorithm="grpo",
-                     response_len=LengthDist("lognormal", max_len=10**9, median=300, sigma=0.8)).step()
-        return float(np.corrcoef(np.log(b.response_lens), np.log(b.predicted_lens))[0, 1]), b
+    # mean of a group's 8 earlier responses (the assignment key) with 0.5 / sqrt(0.5 + 0.5 / 8)
+    # = 0.67, while the per-sample history keeps the spread of lengths for the replay.
+    def step(k: int):
+        return Workload(prompts=4000 // k, samples_per_prompt=k, prompt_share=0.5, algorithm="grpo",
+                        response_len=LengthDist("lognormal", max_len=10**9, median=300, sigma=0.8)).step()
 
-    c1, _ = corr(1)
-    c8, b8 = corr(8)
-    assert c1 == pytest.approx(0.5, abs=0.05) and c8 == pytest.approx(0.67, abs=0.05)
-    per_group = b8.predicted_lens.reshape(-1, 8)
-    assert (per_group == per_group[:, :1]).all()  # one prediction per prompt
+    def corr(a, b) -> float:
+        return float(np.corrcoef(np.log(a), np.log(b))[0, 1])
+
+    b1, b8 = step(1), step(8)
+    assert corr(b1.response_lens, b1.predicted_key) == pytest.approx(0.5, abs=0.05)
+    assert corr(b8.response_lens, b8.predicted_key) == pytest.approx(0.67, abs=0.05)
+    assert corr(b8.response_lens, b8.predicted_lens) == pytest.approx(0.5, abs=0.05)
+    keys = b8.predicted_key.reshape(-1, 8)
+    assert (keys == keys[:, :1]).all()  # one key per prompt
+    assert np.log(b8.predicted_lens).std() == pytest.approx(np.log(b8.response_lens).std(), rel=0.05)
+    assert np.log(b8.predicted_key).std() < 0.85 * np.log(b8.response_lens).std()
 
 
 def test_bad_workloads_name_the_field():

@@ -84,7 +84,7 @@ class ElasticChoice:
 
 def choose_workers(
     actor: ModelSpec, hw: HardwareSpec, seqs: list[Seq], predicted: np.ndarray, gpus: int, prompt_max: float,
-    max_len: int, train_gpus: int, budget: float, rest: float = 0.0,
+    max_len: int, train_gpus: int, budget: float, rest: float = 0.0, keys: np.ndarray | None = None,
 ) -> ElasticChoice:  # fmt: skip
     """RLHFless's cost-aware choice of rollout workers, from predicted lengths.
 
@@ -94,7 +94,10 @@ def choose_workers(
     devices, where startup loads the new weights over the network. The budget is on
     the whole step: with `rest` the predicted seconds of the step outside the rollout,
     choose the least C among options with T + rest <= (1 + budget) x (T_fastest + rest).
+    Sequences are assigned by `keys` (default: `predicted`), e.g. a group's mean
+    prediction, while the replay runs on `predicted` itself.
     """
+    keys = predicted if keys is None else keys
     options = []
     guess = [Seq(s.id, s.prompt, max(1, int(p)), s.group) for s, p in zip(seqs, predicted, strict=True)]
     for tg, pg in gen_layouts(actor, hw, gpus):
@@ -104,7 +107,7 @@ def choose_workers(
             continue
         startup = broadcast_seconds(actor, hw, dm.gpus, 1, train_gpus)
         for w in _worker_counts(gpus // dm.gpus):
-            runs = simulate_generation(dm, sorted_chunks([_fresh(g) for g in guess], predicted, w), cap,
+            runs = simulate_generation(dm, sorted_chunks([_fresh(g) for g in guess], keys, w), cap,
                                        share_prefix=True)  # fmt: skip
             ends = [r.end for r in runs if r.finishes]
             options.append((startup + max(ends), sum(startup + e for e in ends) * dm.gpus, dm, cap, startup, w))
@@ -114,7 +117,7 @@ def choose_workers(
     limit = (1.0 + budget) * (fastest + rest) - rest
     t, c, dm, cap, startup, w = min((o for o in options if o[0] <= limit),
                                     key=lambda o: (o[1], o[0]))  # fmt: skip
-    return ElasticChoice(dm, cap, startup, w, t, c, sorted_chunks(seqs, predicted, w))
+    return ElasticChoice(dm, cap, startup, w, t, c, sorted_chunks(seqs, keys, w))
 
 
 def _fresh(s: Seq) -> Seq:

@@ -91,9 +91,11 @@ class StepBatch:
 
     prompt_lens: (N,) prompt tokens per sample (equal within a group).
     response_lens: (N,) true response tokens per sample.
-    predicted_lens: (N,) a length predictor's guess from the prompt's previous responses:
-        the geometric mean of its k responses of an earlier step (k = samples per prompt),
-        the same for every sample of a group.
+    predicted_lens: (N,) the prompt's responses of an earlier step, one per sample (the
+        predictor's history: k responses per prompt, k = samples per prompt). Replaying
+        the step on them keeps the spread of lengths, so the longest is not understated.
+    predicted_key: (N,) their geometric mean over the group: the best guess of a sample's
+        length, shared by the group, used to assign groups to workers.
     group: (N,) prompt index of each sample.
     """
 
@@ -101,6 +103,7 @@ class StepBatch:
     response_lens: np.ndarray
     predicted_lens: np.ndarray
     group: np.ndarray
+    predicted_key: np.ndarray | None = None  # None: equal to predicted_lens
 
     @property
     def n(self) -> int:
@@ -156,13 +159,16 @@ class Workload:
         z_prompt = np.repeat(rng.standard_normal(self.prompts), k)  # (N,)
         z_sample = rng.standard_normal(self.samples)  # (N,)
         # The predictor saw the k responses of an earlier step to the same prompt (RLHFless
-        # predicts from a prompt's length history); their geometric mean keeps the prompt's
-        # part and averages the per-sample part: log-mean of k draws has std 1/sqrt(k).
-        z_history = np.repeat(rng.standard_normal((self.prompts, k)).mean(axis=1), k)  # (N,)
+        # predicts from a prompt's length history). Their geometric mean keeps the prompt's
+        # part and averages the per-sample part (the log-mean of k draws has std 1/sqrt(k)).
+        z_hist = rng.standard_normal((self.prompts, k))  # (P, k)
+        z_history = z_hist.reshape(-1)  # (N,)
+        z_key = np.repeat(z_hist.mean(axis=1), k)  # (N,)
         p_rng = np.random.default_rng([self.seed, index, 1])
         plen = np.repeat(self.prompt_len.sample(p_rng.standard_normal(self.prompts), np.zeros(self.prompts), 1.0,
                                                 p_rng), k)  # fmt: skip
         rlen = self.response_len.sample(z_prompt, z_sample, self.prompt_share, rng)
         pred = self.response_len.sample(z_prompt, z_history, self.prompt_share, rng)
+        key = self.response_len.sample(z_prompt, z_key, self.prompt_share, rng)
         group = np.repeat(np.arange(self.prompts), k)
-        return StepBatch(plen, rlen, pred, group)
+        return StepBatch(plen, rlen, pred, group, key)
