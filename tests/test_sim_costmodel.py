@@ -11,6 +11,7 @@ from fuseflow.sim.costmodel import (
     DecodeModel,
     Layout,
     allreduce_seconds,
+    fused_pipeline_bound,
     fused_train_seconds,
     infer_cost,
     model_state_bytes,
@@ -74,14 +75,29 @@ def test_pipeline_bubble_is_1f1b():
     assert cost.seconds - cost.parts["optimizer"] == pytest.approx((16 + 2 - 1) * cost.slot)
 
 
-def test_fused_training_halves_bubbles_and_never_loses():
+def test_fused_pipeline_bound_reproduces_rlhfuse_instances():
+    # The issue-8 bounds (and FlexFusion's makespans): slot = 3f (forward + backward).
+    assert fused_pipeline_bound(8, 4, 32, 16, 15, 12) == pytest.approx(708)
+    assert fused_pipeline_bound(8, 8, 32, 32, 15, 6) == pytest.approx(702)
+    assert fused_pipeline_bound(8, 4, 8, 4, 15, 12) == pytest.approx(225)  # A's own 1F1B binds
+
+
+def test_fused_training_prices_the_pipeline_bound_and_never_loses():
+    # 32 samples, 4 per micro-batch: 8 micro-batches of one slot on 4 stages, one step.
     a = train_cost(TOY, HW, Layout(pp=4), np.full(32, 100.0), mb_tokens=400)
     c = train_cost(TOY, HW, Layout(pp=4), np.full(32, 100.0), mb_tokens=400)
     fused = fused_train_seconds(a, c, 4, 4)
-    assert fused == pytest.approx(a.seconds + c.seconds - (a.bubble + c.bubble) * (1 - 0.5 * 2 / 3))
-    assert fused < a.seconds + c.seconds
+    rest = 2 * (a.parts["dp_comm"] + a.parts["optimizer"])
+    # Same slot s for both: devices hold 16 slots of work; device 1 (A stage 1, C stage 2)
+    # adds arrival min(s/3, 2s/3) and tail min(2s/3, 4s/3): 16s + s/3 + 2s/3 = 17s.
+    assert fused == pytest.approx(17 * a.slot + rest)
+    assert fused < a.seconds + c.seconds  # two 1F1B pipelines: 2 x (8 + 3) slots
     flat = train_cost(TOY, HW, Layout(), np.full(32, 100.0))
     assert fused_train_seconds(flat, flat, 1, 1) == pytest.approx(2 * flat.seconds)
+    # Stage counts that do not divide each other keep the bidirectional closed form.
+    c3 = train_cost(TOY, HW, Layout(pp=3), np.full(32, 100.0), mb_tokens=400)
+    closed = a.seconds - a.bubble + c3.seconds - c3.bubble + 0.5 * (2 * a.slot + 1 * c3.slot)
+    assert fused_train_seconds(a, c3, 4, 3) == pytest.approx(closed)
 
 
 def test_infer_cost_is_one_forward():
