@@ -36,7 +36,7 @@ def set_background(tid: int, background: bool) -> bool:
     """Move one thread to ``SCHED_IDLE`` (runs only on a core nothing else wants) or back; False where impossible.
 
     Why: async prefetch decodes beside training, the critical path. Measured per thread
-    (``/proc/self/task/TID/schedstat``), training then spent 0.6-1.1 s of a 2-3 s update waiting
+    (``/proc/self/task/TID/schedstat``), training then spent 0.56-1.06 s of a 2.4-3.5 s update waiting
     in the run queue behind the rollout threads; nice 10 still left 0.2-0.6 s, SCHED_IDLE ~0.01 s.
     Linux schedules threads as tasks, so this is per thread; other platforms keep one priority.
     Entering SCHED_IDLE needs no privilege; leaving it may (then the thread keeps it until it
