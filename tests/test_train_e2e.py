@@ -65,6 +65,8 @@ def test_run_directory_contents_and_export(tmp_path, sft_cache):
     assert {e["args"]["step"] for e in trace if e["ph"] == "X" and e["name"] == "generate"} == {1, 2}
     row = read_metrics(run)[-1]
     assert row["rollout/logprob_diff_max"] < 1e-4  # sampler and trainer agree on log-probs
+    # arith prompts are fixed-width ("047+385=" plus BOS), so the longest prompt is also the mean one.
+    assert row["rollout/prompt_length_max"] == pytest.approx(row["rollout/prompt_length_mean"]) and row["rollout/prompt_length_max"] > 0
     for key in ("reward/mean", "kl/ref_k3", "actor/entropy", "actor/clip_frac", "rollout/response_length_mean",
                 "time/generate", "time/actor_update", "perf/tokens_per_second"):
         assert math.isfinite(row[key]), key

@@ -349,6 +349,7 @@ class RLTrainer:
                "rollout/response_length_max": float(lengths.max()),
                "rollout/response_length_min": float(lengths.min()),
                "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).float().mean() - lengths.mean()),
+               "rollout/prompt_length_max": float((batch["attention_mask"].sum(-1) - lengths).max()),
                "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}
