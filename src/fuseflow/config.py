@@ -295,12 +295,8 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     reward: RewardConfig = RewardConfig()
     rm: RewardModelTrainConfig = RewardModelTrainConfig()
-    # Where the roles run (see README "Scaling out"). Example, split placement on Ray:
-    #   backend: ray
-    #   actor: {dp: 2}
-    #   critic: {dp: 2}
-    #   placement: {critic: critic}        # the critic gets a pool of its own
-    #   pools: {main: {cpus_per_worker: 1}, critic: {workers_per_node: 2}}
+    # Where the roles run. Split placement on Ray, for example: backend=ray actor.dp=2 critic.dp=2
+    # placement.critic=critic (the critic gets a pool of its own); README "Scaling out" has the YAML.
     backend: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
