@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from fuseflow.config import ConfigError, load_config, load_run_config, preset_names
+from fuseflow.console import console, fail
 from fuseflow.controller.group import WorkerFailure
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -24,15 +23,9 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect the resolved config
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: write JSON, compare side by side as ratios.")
 app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
-console = Console()
 
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.steps=50 algorithm.name=ppo")
 PRESET = typer.Option("default", "--preset", "-p", help="Config preset shipped with fuseflow.")
-
-
-def fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def _user_errors():

@@ -138,17 +138,13 @@ def register(bench_app) -> None:
                          threads: int = typer.Option(1, "--threads", help="torch threads per process."),
                          preset: str = typer.Option("default", "--preset", "-p", help="Config preset.")) -> None:
         """Step time of local vs Ray (dp=1) vs Ray (dp=2), as ratios, with the controller's overhead per step."""
-        from rich.console import Console
-        from rich.markup import escape
-
         from fuseflow.config import ConfigError
+        from fuseflow.console import console, fail
 
-        console = Console()
         try:
             result = run_controller_bench(overrides, steps, threads, preset, log=console.print)
         except (ConfigError, ValueError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(e))
         for name, v in result["variants"].items():
             console.print(f"{name:8s} step {v['step_seconds']:.2f}s  workers {v['worker_compute']:.2f}s  "
                           f"controller {v['controller_overhead']:.3f}s ({100 * v['controller_overhead_frac']:.1f}%)  "

@@ -145,12 +145,9 @@ def register(bench_app) -> None:
                      quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
                      ) -> None:
         """PPO on `sort` in sequential, fused, async and fused+async; samples/s per mode; GRPO vs TRL."""
-        from rich.console import Console
-        from rich.markup import escape
-
         from fuseflow.config import ConfigError
+        from fuseflow.console import console, fail
 
-        console = Console()
         plot = out.with_suffix(".png") if out else None
         try:
             if workers < 1 or trl_steps < 0:
@@ -158,8 +155,7 @@ def register(bench_app) -> None:
             result = run_fusion(steps, workers, quick, tuple(mode or MODES), trl_steps, 1, plot, None, overrides,
                                 console.print)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(e))
         for name, r in result["modes"].items():
             console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "
                           f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}", soft_wrap=True)

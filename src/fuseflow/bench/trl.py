@@ -214,19 +214,15 @@ def register(bench_app) -> None:
                   quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
                   ) -> None:
         """GRPO on `sort`: fuseflow vs TRL's GRPOTrainer, same weights, batch and lengths; samples/s ratio."""
-        from rich.console import Console
-        from rich.markup import escape
-
         from fuseflow.config import ConfigError
+        from fuseflow.console import console, fail
 
-        console = Console()
         try:
             if steps < 1 or threads < 1:
                 raise ValueError(f"--steps and --threads must be >= 1, got {steps} and {threads}")
             result = run_trl_comparison(bench_config(overrides, quick, steps), threads, log=console.print)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(e))
         f, r = result["fuseflow"], result["trl"]
         console.print(f"fuseflow {f['samples_per_second']:.1f} samples/s, TRL {r['samples_per_second']:.1f} "
                       f"samples/s: speedup_vs_trl {result['speedup_vs_trl']:.2f}x "

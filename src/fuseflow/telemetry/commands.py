@@ -30,20 +30,16 @@ def register(app: typer.Typer) -> None:
                    out: Path = typer.Option(None, "--out", "-o", help="PNG path (default RUN_DIR/plots/trace.png)."),
                    steps: str = typer.Option(None, "--steps", help="Only these steps, e.g. 3, 2-4 or 1,5.")) -> None:
         """Render trace.json as a Gantt chart: one row per worker, so overlap and migration show."""
-        from rich.console import Console
-        from rich.markup import escape
-
+        from fuseflow.console import console, fail
         from fuseflow.telemetry.gantt import busy_fraction, load_trace, plot_gantt
 
-        console = Console()
         try:
             trace = load_trace(run_dir)
             chosen = _parse_steps(steps)
             base = run_dir if run_dir.is_dir() else run_dir.parent
             path = plot_gantt(trace, out or base / "plots" / "trace.png", chosen)
         except (FileNotFoundError, ValueError) as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(e))
         last = (chosen or trace.steps())[-1]
         busy = ", ".join(f"{k} {v:.0%}" for k, v in busy_fraction(trace, last).items())
         console.print(f"Wrote {path} ({len(trace.tracks())} tracks); busy in step {last}: {busy}", soft_wrap=True)
