@@ -27,6 +27,18 @@ from fuseflow.workers.common import autocast, clipped_step, response_logprobs, s
 SFT_VERSION = 1  # bump when the SFT recipe changes, to invalidate cached models
 
 
+def shuffled_batches(n: int, size: int, seed: int):
+    """Endless batches of indices into ``n`` items: a fresh seeded shuffle per pass, whose tail
+    shorter than ``size`` is skipped, so every batch is full. Shared by SFT and reward-model training."""
+    g = torch.Generator().manual_seed(seed)
+    order, pos = torch.randperm(n, generator=g), 0
+    while True:
+        if pos + size > len(order):
+            order, pos = torch.randperm(n, generator=g), 0
+        yield order[pos : pos + size].tolist()
+        pos += size
+
+
 def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
     """Linear warmup then cosine decay to ``min_ratio * base`` at ``total``."""
     if step < warmup:
@@ -69,17 +81,13 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
     s = cfg.sft
     model = new_model(cfg, tokenizer).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(cfg.seed)
+    draws = shuffled_batches(len(demos), s.batch_size, cfg.seed)
     eval_prompts = task.eval_prompts()[: s.eval_size]
     curve, best, best_state, since_best = [], -1.0, None, 0
-    order, pos = torch.randperm(len(demos), generator=g), 0
     task_id = progress.add_task("SFT", total=s.max_steps) if progress else None
     t0 = time.perf_counter()
     for step in range(1, s.max_steps + 1):
-        if pos + s.batch_size > len(order):
-            order, pos = torch.randperm(len(demos), generator=g), 0
-        pairs = [demos[i] for i in order[pos : pos + s.batch_size].tolist()]
-        pos += s.batch_size
+        pairs = [demos[i] for i in next(draws)]
         batch = demo_batch(tokenizer, pairs, cfg.model.max_prompt_len, cfg.model.max_response_len).to(device)
         set_lr(opt, lr_at(step - 1, s.max_steps, s.lr, s.warmup_steps, 0.1))
         model.train()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fuseflow.config import Config
 from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ModelConfig, ValueModel, resolve_device
-from fuseflow.sft import ensure_sft_model, lr_at
+from fuseflow.sft import ensure_sft_model, lr_at, shuffled_batches
 from fuseflow.tasks import DataError, make_task
 from fuseflow.workers.common import clipped_step, set_lr
 
@@ -102,16 +102,12 @@ def train_reward_model(cfg: Config, out_dir: Path, progress=None, log=print) -> 
     model = new_reward_model(cfg, tokenizer, device, dtype, progress, log)
     rm = RewardModel(model.to(device), tokenizer, device, dtype)
     opt = torch.optim.AdamW(rm.model.parameters(), lr=r.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(cfg.seed)
-    order, pos = torch.randperm(len(train), generator=g), 0
+    draws = shuffled_batches(len(train), r.batch_size, cfg.seed)
     curve, best, best_state = [], -1.0, None
     bar = progress.add_task("train-rm", total=r.steps) if progress else None
     t0 = time.perf_counter()
     for step in range(1, r.steps + 1):
-        if pos + r.batch_size > len(order):
-            order, pos = torch.randperm(len(train), generator=g), 0
-        batch = [train[i] for i in order[pos : pos + r.batch_size].tolist()]
-        pos += r.batch_size
+        batch = [train[i] for i in next(draws)]
         rm.model.train()
         set_lr(opt, lr_at(step - 1, r.steps, r.lr, r.warmup_steps, 0.1))
         rc, rr = _pair_scores(rm, batch)
