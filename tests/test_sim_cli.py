@@ -120,6 +120,7 @@ def test_simulate_scenario_json_has_policy_fields(app, tmp_path):
         for row in case["policies"].values():
             assert {"iteration_seconds", "samples_per_second", "gpu_seconds", "speedup_vs_sequential"} <= set(row)
         assert case["policies"]["sequential"]["speedup_vs_sequential"] == 1.0
+        assert case["plan"]["generation"]["tp"] == 2  # verl's example layout is the baseline
 
 
 def test_calibrate_command_on_synthetic_run(app, tmp_path):

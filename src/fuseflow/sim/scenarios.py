@@ -5,7 +5,7 @@
 - hybridflow: PPO with Llama 7B-70B (all four models the same size) on 16-128 A100s,
   prompt and response both 1024 tokens; best colocate / split / standalone placement.
 - rlhfless: Qwen2.5 3B/7B on 16 L40S, GRPO and PPO with a rule-based reward;
-  sequential (verl, reserved GPUs) vs elastic (serverless rollout).
+  sequential (verl's own example layout, reserved GPUs) vs elastic (serverless rollout).
 
 Workload shapes are fixed here, before any result, and documented in docs/simulation.md.
 """
@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .costmodel import Layout
 from .engine import SimResult, simulate
 from .hardware import get_hardware
 from .modelspec import get_model
-from .placement import Plan, Problem
+from .placement import DeviceSet, Plan, Problem, estimate
 from .policies import parse_policy
 from .search import Searcher
 from .trace import write_gantt, write_trace
@@ -34,6 +35,10 @@ HYBRIDFLOW_GPUS = (16, 32, 64, 96, 128)
 HYBRIDFLOW_KINDS = ("colocate", "split", "standalone")
 # Reasoning-style RLVR responses (math): median 600 tokens, long tail to a 4096 cap.
 RLHFLESS_RESPONSE = dict(median=600.0, sigma=0.8, max_len=4096)
+# verl's published recipes for these models (examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh,
+# examples/ppo_trainer/run_qwen2.5-3b_seq_balance.sh, examples/grpo_trainer/run_qwen2-7b.sh): every
+# role colocated, FSDP over all devices with gradient checkpointing, vLLM rollout at tensor parallel 2.
+VERL_ROLLOUT_TP = 2
 
 
 def _policy_row(res: SimResult, base: SimResult) -> dict:
@@ -53,6 +58,23 @@ def _policy_row(res: SimResult, base: SimResult) -> dict:
 def _best_plan(problem: Problem, kinds: set[str]) -> Plan | None:
     found = Searcher(problem).enumerate(kinds)
     return found[0].plan if found else None
+
+
+def verl_plan(problem: Problem, gen_tp: int = VERL_ROLLOUT_TP) -> Plan:
+    """verl's default layout, the baseline RLHFless measures against (not a searched plan).
+
+    All roles on one set; each trains or infers with FSDP (ZeRO-3) over every device,
+    trainable roles with activation checkpointing; rollout replicas of `gen_tp` devices.
+    Raises ValueError when that layout does not fit the problem's devices.
+    """
+    if problem.gpus % gen_tp:
+        raise ValueError(f"gen_tp={gen_tp}: must divide the {problem.gpus} devices")
+    lays = tuple((r, Layout(tp=1, pp=1, dp=problem.gpus, zero=3, recompute=problem.trainable(r))) for r in problem.roles)
+    plan = Plan((DeviceSet(problem.roles, problem.gpus),), lays, (gen_tp, 1))
+    costs = estimate(problem, plan, problem.workload.step(0))
+    if not costs.feasible:
+        raise ValueError(f"verl layout on {problem.gpus} x {problem.hw.name}: {costs.why}")
+    return plan
 
 
 def _trace(trace_dir: Path | None, stem: str, res: SimResult) -> None:
@@ -132,7 +154,11 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
 
 
 def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
-    """Reserved sequential vs serverless elastic rollout (GPU-seconds and slowdown)."""
+    """Reserved sequential vs serverless elastic rollout (GPU-seconds and slowdown).
+
+    Both run on verl's example layout (`verl_plan`): RLHFless is built on verl and
+    reports its savings against verl as users run it, not against a searched plan.
+    """
     hw = get_hardware("L40S")
     cases = []
     for model in ("qwen2.5-3b", "qwen2.5-7b"):
@@ -144,7 +170,7 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
                 response_len=LengthDist("lognormal", **RLHFLESS_RESPONSE),
             )  # fmt: skip
             prob = Problem.build(get_model(model), hw, 16, wl)
-            plan = _best_plan(prob, {"colocate"})
+            plan = verl_plan(prob)
             name = f"{model}/{algo}"
             rows, base = {}, None
             for pol in ("sequential", "elastic", "fused", "elastic+fused"):
