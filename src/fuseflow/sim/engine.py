@@ -129,7 +129,7 @@ class _Run:
             yield self.sync_done[dep]
         batch, costs = self.batch(k)
         self.marks[k]["start"] = env.now
-        inf_sets = [s for s in self.plan.sets if any(r in INFER_STAGE and r in self.p.roles for r in s.roles)]
+        inf_sets = [s for s in self.plan.sets if any(self.p.runs_inference(r) for r in s.roles)]
         stores = {s.name: simpy.Store(env) for s in inf_sets}
         procs = [env.process(self.rollout(k, batch, costs, list(stores.values())))]
         procs += [env.process(self.inference(k, s, batch, costs, stores[s.name])) for s in inf_sets]
@@ -252,7 +252,7 @@ class _Run:
         kv_tok = dm.model.kv_bytes_per_token(dm.hw.param_bytes)
         bw = dm.gpus * dm.hw.inter_bw * dm.hw.efficiency.comm
         gen_set = self.plan.set_of("rollout")
-        local = [r for r in gen_set.roles if r in INFER_STAGE and r in self.p.roles]
+        local = [r for r in gen_set.roles if self.p.runs_inference(r)]
         work = sum(costs.infer[r].seconds for r in local) * gen_set.gpus  # device-seconds of inference here
         order = sorted(busy, key=lambda i: -len(first[i].leftover))
         cands = sorted({len(busy), *(c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < len(busy))})
@@ -298,15 +298,16 @@ class _Run:
 
     def rest_seconds(self, costs: PlanCosts) -> float:
         """Predicted step seconds outside the rollout: inference, host, training (max over sets)."""
-        per_set = [sum(costs.infer[r].seconds + (costs.train[r].seconds if r in costs.train else 0.0)
-                       for r in s.roles if r in costs.infer) for s in self.plan.sets]  # fmt: skip
+        per_set = [sum((costs.infer[r].seconds if r in costs.infer else 0.0)
+                       + (costs.train[r].seconds if r in costs.train else 0.0) for r in s.roles)
+                   for s in self.plan.sets]  # fmt: skip
         host = self.p.hw.efficiency.host_seconds_per_sample * self.p.workload.samples
         return max(per_set, default=0.0) + host
 
     # ---------------------------------------------------------------- inference / train / sync
     def inference(self, k: int, s, batch, costs: PlanCosts, store: simpy.Store):
         env, pool = self.env, self.pools[s.name]
-        roles = [r for r in s.roles if r in INFER_STAGE and r in self.p.roles]
+        roles = [r for r in s.roles if self.p.runs_inference(r)]
         if not self.pol.fused:
             for _ in range(batch.n):
                 yield store.get()

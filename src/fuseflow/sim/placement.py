@@ -119,6 +119,13 @@ class Problem:
     def trainable(role: str) -> bool:
         return role in TRAIN_STAGE
 
+    def runs_inference(self, role: str) -> bool:
+        """Whether `role` has a forward pass in the inference stage (the actor not when
+        the rollout's own log-probs are kept, `Workload.rollout_logprobs`)."""
+        if role == "actor" and self.workload.rollout_logprobs:
+            return False
+        return role in INFER_STAGE and role in self.roles
+
 
 @dataclass(frozen=True)
 class DeviceSet:
@@ -223,7 +230,8 @@ def estimate(problem: Problem, plan: Plan, batch: StepBatch) -> PlanCosts:
     out = PlanCosts()
     for role in problem.roles:
         lay, model = plan.layout(role), problem.model(role)
-        out.infer[role] = infer_cost(model, hw, lay, seq)
+        if problem.runs_inference(role):
+            out.infer[role] = infer_cost(model, hw, lay, seq)
         if problem.trainable(role):
             out.train[role] = train_cost(model, hw, lay, seq, wl.mini_batches, wl.epochs)
     gen_set = plan.set_of("rollout")

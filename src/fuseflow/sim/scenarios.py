@@ -93,6 +93,7 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
             wl = Workload(
                 prompts=512, prompt_len=LengthDist("lognormal", max_len=1024, median=256, sigma=0.5),
                 response_len=LengthDist("lognormal", max_len=cap, **RLHFUSE_RESPONSE), algorithm="ppo",
+                rollout_logprobs=True,  # RLHFuse's inference stage: reference, critic, reward only
             )  # fmt: skip
             prob = Problem.build(get_model(actor), hw, 256, wl, critic=get_model(critic))
             plan = _best_plan(prob, {"colocate"})

@@ -23,6 +23,7 @@ from itertools import product
 from .costmodel import (
     DecodeModel,
     Layout,
+    StageCost,
     broadcast_seconds,
     fused_train_seconds,
     infer_cost,
@@ -126,7 +127,7 @@ class Searcher:
             state, act = role_memory(p, role, lay, self.mean_len)
             if state + act > p.hw.usable_memory:
                 continue
-            inf = infer_cost(model, p.hw, lay, self.seq)
+            inf = infer_cost(model, p.hw, lay, self.seq) if p.runs_inference(role) else StageCost(0.0)
             tr = train_cost(model, p.hw, lay, self.seq, wl.mini_batches, wl.epochs) if p.trainable(role) else None
             opts.append((inf.seconds + (tr.seconds if tr else 0.0), state, act, lay, inf, tr))
         opts.sort(key=lambda o: o[0])

@@ -121,6 +121,9 @@ class Workload:
     algorithm="ppo" trains a critic and (by default) scores with a reward model;
     "grpo" has no critic; `reward_model=False` means a rule-based (CPU) reward.
     `prompt_share` (rho) is the fraction of log-length variance that belongs to the prompt.
+    `rollout_logprobs=True`: the actor's old log-probs come from the rollout's sampling
+    pass, so inference runs only reference, critic and reward (RLHFuse's six-task
+    workflow); False: the actor recomputes them with a forward pass (verl, fuseflow).
     """
 
     prompts: int = 512
@@ -133,6 +136,7 @@ class Workload:
     epochs: int = 1
     prompt_share: float = 0.5
     seed: int = 0
+    rollout_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.prompts < 1 or self.samples_per_prompt < 1:
