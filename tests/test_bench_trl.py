@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fuseflow.bench.trl import bench_config, run_trl_comparison
@@ -30,8 +31,11 @@ def test_cli_errors_are_one_line(args, msg):
 @pytest.mark.slow
 def test_quick_comparison_runs_both_sides_on_the_same_steps(tmp_path, sft_cache):
     pytest.importorskip("trl")
-    cfg = bench_config([f"cache_dir={sft_cache}"], quick=True, steps=2)
+    cfg = bench_config([f"cache_dir={sft_cache}", "schedule.mode=fused", "schedule.rollout_workers=2"], quick=True,
+                       steps=2)
     r = run_trl_comparison(cfg, threads=1, work_dir=tmp_path, log=lambda *_: None)
+    assert (r["torch_threads"], r["trl_torch_threads"]) == (1, 2)  # TRL gets the cores of fuseflow's 2 workers
+    assert torch.get_num_threads() == 1  # put back after TRL's steps
     f, t = r["fuseflow"], r["trl"]
     assert len(f["step_seconds"]) == len(t["step_seconds"]) == 2 and f["timed_steps"] == t["timed_steps"] == 1
     assert all(x > 0 for x in f["response_tokens_per_step"] + t["response_tokens_per_step"])

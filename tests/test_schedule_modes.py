@@ -1,6 +1,7 @@
 """Execution modes train alike: fused == sequential, async at max_staleness 0 == sequential, and every
 async sample respects the staleness bound; migration mid-sample keeps the tokens."""
 
+import json
 import os
 import sys
 import threading
@@ -64,6 +65,14 @@ def test_fused_with_migration_trains_like_sequential(tmp_path, sft_cache):
                                        "schedule.migration_threshold=0.9", "schedule.token_budget=256"])
     _same_training(seq, fused)
     assert all("trace/busy_fraction/rollout-1" in m for m in fused[1])
+    # Intra-stage fusion: the critic's update ran on a track of its own, at the same time as the actor's.
+    trace = json.loads((tmp_path / "schedule.mode-fused_schedule.rollout_workers-2_schedule.migration_threshold-0.9"
+                        "_schedule.token_budget-256" / "trace.json").read_text())
+    tracks = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("ph") == "M"}
+    spans = {(e["name"], e["tid"]): (e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e["args"]["step"] == 2 and e["name"].endswith("_update")}
+    (a0, a1), (c0, c1) = spans[("actor_update", tracks["trainer"])], spans[("critic_update", tracks["training-critic"])]
+    assert max(a0, c0) < min(a1, c1)  # the two spans overlap
 
 
 def test_async_with_staleness_zero_equals_sequential(tmp_path, sft_cache):
@@ -158,3 +167,27 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     # fused trains like sequential, so its rewards match step for step
     assert out["modes"]["fused"]["reward_per_step"] == out["modes"]["sequential"]["reward_per_step"]
     assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode,want", [("sequential", 2), ("async", 1)])
+def test_updates_get_the_idle_workers_cores(tmp_path, sft_cache, mode, want):
+    """Sequential: nothing else runs during the updates, so they use both workers' cores; async: one."""
+    cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=1", "trainer.eval_every=100",
+                               "trainer.save_every=100", f"cache_dir={sft_cache}", f"schedule.mode={mode}",
+                               "schedule.rollout_workers=2"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tr = RLTrainer(cfg, tmp_path / mode, log=lambda *_: None)
+        seen = []
+        for w in (tr.actor.worker, tr.critics[0].worker):
+            inner = w.update
+            w.update = lambda *a, _inner=inner, **k: (seen.append(torch.get_num_threads()), _inner(*a, **k))[1]
+        try:
+            tr.step(1)
+        finally:
+            tr.close()
+        assert seen == [want, want]
+        assert torch.get_num_threads() == 1  # restored once training is over
+    finally:
+        torch.set_num_threads(before)

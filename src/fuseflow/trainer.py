@@ -178,12 +178,13 @@ class RLTrainer:
             warnings.warn(f"step {step}: the reward function returned NaN for "
                           f"{int(torch.isnan(batch['scores']).sum())} samples; skipping this update", stacklevel=2)
             metrics["train/skipped_update"] = 1.0
-        else:  # critics, then the actor: on pools of their own (split placement) they train side by side
+        else:  # critics, then the actor; side by side on pools of their own (split placement) or when fused
             updates = {f"{c.role}_update": partial(c.update.future, batch, lr(cfg.trainer.critic_lr),
                                                    seed=cfg.seed + 7 * step) for c in self.critics}
             updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
                                               seed=cfg.seed + step)
-            for m in self.overlap(step, updates).values():
+            train = self.strategy.train if self.strategy else self.overlap
+            for m in train(step, updates).values():
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):

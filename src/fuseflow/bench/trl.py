@@ -20,6 +20,11 @@ TRL's RL-step boundaries, and each side is timed only over its own steps, so bur
 from other processes hit both alike. The first step of each side is a warm-up and is left
 out of the headline figures (it is reported). Wall-clock and process-CPU seconds are both
 recorded; with one torch thread on a shared CPU, CPU time is the steadier measure.
+
+Same cores on both sides: fuseflow with ``schedule.rollout_workers = N`` runs N worker threads
+of ``threads`` intra-op threads each, so TRL's steps run with ``N x threads`` intra-op threads
+(switched at each side's step boundary); a 1-thread TRL against N busy fuseflow cores would
+measure the core count, not the framework.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     if cfg.trainer.steps < 1:
         raise ValueError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     torch.set_num_threads(threads)
+    trl_threads = threads * cfg.schedule.rollout_workers  # the cores fuseflow's rollout workers use
     t, a, steps = cfg.trainer, cfg.algorithm, cfg.trainer.steps
     samples_per_step = t.prompts_per_step * a.group_size
     if work_dir is None:  # both runs' files are scratch: removed afterwards
@@ -156,6 +162,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
         """Times TRL per RL step and runs one fuseflow step at each boundary (outside TRL's timing)."""
 
         def on_train_begin(self, *_, **__):
+            torch.set_num_threads(trl_threads)
             trl_timer.start()
 
         def on_step_end(self, _args, state, *_, **__):
@@ -163,9 +170,11 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
                 return
             trl_timer.stop()
             rl_step = state.global_step // optim_per_rl_step
+            torch.set_num_threads(threads)
             ff_timer.start()
             m = ff.step(rl_step)
             ff_timer.stop()
+            torch.set_num_threads(trl_threads)
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
             ff_rewards.append(m["reward/mean"])
             ff_longest.append(int(m["rollout/response_length_max"]))
@@ -176,7 +185,10 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     trainer = trl.GRPOTrainer(model=model, reward_funcs=sort_reward, args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[Interleave()])
     log("TRL GRPOTrainer: training (fuseflow steps interleaved)")
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
     ff.close()
     if len(trl_tokens) != steps or len(ff_tokens) != steps:
         raise RuntimeError(f"expected {steps} RL steps per side, got TRL {len(trl_tokens)}, fuseflow {len(ff_tokens)}")
@@ -186,6 +198,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
                                                                      "response_length_max_per_step": trl_longest}
     return {
         "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
+        "trl_torch_threads": trl_threads,
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "trl_version": trl.__version__,
         "settings": {"task": cfg.task.name, "model": cfg.model.size, "steps": steps, "warmup_steps_excluded": 1,
                      "prompts_per_step": t.prompts_per_step, "group_size": a.group_size,

@@ -15,6 +15,10 @@ reward, reference/old log-probs and critic values run, and on which worker threa
   proximal policy); the frozen reference and reward may run during training.
 - ``fused+async``: both.
 
+Fused modes also fuse within the training stage (RLHFuse's intra-stage fusion): the actor's
+and critics' updates only share the batch, so each runs on a worker thread of its own, side
+by side, instead of one after the other (``Strategy.train``).
+
 Sample tokens never depend on the mode (per-request seeds, exported sampler state on
 migration); inference values differ only by float summation order (micro-batch widths).
 """
@@ -25,11 +29,14 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from fuseflow.controller.group import Future as GroupFuture
 from fuseflow.data.batch import Batch
 from fuseflow.evaluate import decode_response
 from fuseflow.rollout.base import RolloutRequest, Sample
@@ -83,6 +90,7 @@ class Strategy:
         self.prefetch: tuple[int, Future, int] | None = None  # (step, result, stream cursor before its draw)
         self.history: list[list[int]] = []  # response lengths of earlier steps (auto threshold)
         self.migrated: dict[int, int] = {}
+        self.train_tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
 
     # ------------------------------------------------------------------ the step's experience
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -307,6 +315,55 @@ class Strategy:
             with t.tracer.span("greedy_baseline", step):
                 batch["baseline_scores"] = t.greedy_baseline(batch, step)
         return batch, metrics
+
+    # ------------------------------------------------------------------ training
+    def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
+        """Run the step's updates (name -> starter of a group call); their results by name.
+
+        Fused modes run every update but the last (the actor's) on a thread of its own, the
+        last on the controller thread: the models never touch each other's parameters and the
+        mini-batch shuffles are seeded per update, so results equal the one-after-another
+        order. ``sequential`` keeps that order (``RLTrainer.overlap``), verl's, with each update
+        on the cores of all rollout workers (they are idle then), as does ``fused`` with a single
+        update (GRPO); ``async`` trains on the controller thread alone, beside the next step's
+        generation.
+        """
+        side_by_side = self.s.fused and len(updates) > 1
+        if self.s.asynchronous and not side_by_side:
+            return self.t.overlap(step, updates)  # one core trains, the others generate the next step
+        if not side_by_side:
+            # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
+            # threads (verl trains each model on all devices, one model after the other).
+            own = torch.get_num_threads()
+            torch.set_num_threads(own * len(self.pool))
+            try:
+                return self.t.overlap(step, updates)
+            finally:
+                torch.set_num_threads(own)
+        names = list(updates)
+        results: dict[str, Future] = {name: Future() for name in names}
+        threads = []
+        for name in names[:-1]:
+            track = self.train_tracks.setdefault(name, self.infer_track + 1 + len(self.train_tracks))
+            self.t.tracer.name_track(track, f"training-{name.removesuffix('_update')}")
+            threads.append(threading.Thread(target=self._run_update, args=(step, name, updates[name], track,
+                                                                           results[name]), daemon=True,
+                                            name=f"train-{name}"))
+        for th in threads:
+            th.start()
+        self._run_update(step, names[-1], updates[names[-1]], 0, results[names[-1]])
+        for th in threads:
+            th.join()
+        return {name: results[name].result() for name in names}  # re-raises a failed update's error
+
+    def _run_update(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            out.set_result(start().result())
+        except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
+            out.set_exception(e)
+        finally:
+            self.t.tracer.record(name, step, track, t0, time.perf_counter())
 
     # ------------------------------------------------------------------ bookkeeping
     def step_metrics(self, step: int) -> dict[str, float]:
