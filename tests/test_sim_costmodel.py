@@ -159,3 +159,29 @@ def test_hardware_lookup_and_file(tmp_path):
     assert spec.efficiency.train_mfu == 0.35 and spec.efficiency.infer_mfu == 0.5
     with pytest.raises(ValueError, match="efficiency.train_mfu"):
         Efficiency(train_mfu=1.5)
+
+
+def test_data_parallel_reduces_fp32_gradients_and_gathers_weights_by_hand():
+    # 8 samples of 4 tokens on 4 DP ranks: one micro-batch of 2 samples per rank, so little
+    # compute that the slot is weight-streaming bound and the DP collectives show.
+    big = get_model("llama-7b")
+    p = big.params
+    cost = train_cost(big, HW, Layout(dp=4), np.full(8, 4.0))
+    stream = p * (3 * 2 + 2 * 4) / (1e11 * 0.5)  # 3 passes of bf16 weights + fp32 grad read/write
+    assert cost.parts["compute"] == pytest.approx(stream)
+    reduce = 3 / 4 * p * 4 / 1e10  # reduce-scatter of fp32 gradients, hidden behind the backward
+    gather = 3 / 4 * p * 2 / 1e10  # all-gather of bf16 weights, hidden behind the next forward
+    expected = (reduce - 2 / 3 * stream) + (gather - 1 / 3 * stream)
+    assert cost.parts["dp_comm"] == pytest.approx(expected)
+    # FSDP: two weight gathers and one gradient reduce-scatter per micro-batch.
+    z3 = train_cost(big, HW, Layout(dp=4, zero=3), np.full(8, 4.0))
+    assert z3.parts["zero3_comm"] == pytest.approx(2 * gather + reduce - stream)
+    assert z3.parts["dp_comm"] == 0.0
+
+
+def test_forward_is_a_roofline_over_weight_streaming():
+    big = get_model("llama-7b")
+    few = infer_cost(big, HW, Layout(), np.full(2, 4.0))  # 8 tokens: bound by reading 13.5 GB
+    assert few.seconds == pytest.approx(big.params * 2 / (1e11 * 0.5))
+    many = infer_cost(big, HW, Layout(), np.full(4, 1000.0))  # 4000 tokens: FLOP-bound
+    assert many.seconds == pytest.approx(4 * big.forward_flops(1000, 1000 * 1001 / 2) / (1e12 * 0.5))

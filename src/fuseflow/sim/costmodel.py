@@ -10,7 +10,8 @@ Formulas (all documented in docs/simulation.md, with sources):
   term grows with each sequence's length, which is why variable lengths matter.
 - Collectives are ring all-reduces: 2(n-1)/n x bytes / (link bandwidth x efficiency).
   Megatron TP does 2 all-reduces per layer forward and 2 backward; PP sends one
-  activation per micro-batch per stage boundary each way; DP all-reduces gradients.
+  activation per micro-batch per stage boundary each way; DP reduce-scatters fp32
+  gradients and all-gathers bf16 weights (distributed optimizer / FSDP).
 - Pipeline bubbles: 1F1B runs m micro-batches in (m + p - 1) slots (Narayanan et al.).
 - Memory: bf16 weights and gradients plus 12 bytes/param of fp32 Adam state (master,
   m, v; Rajbhandari et al., ZeRO, SC'20), activations per Korthikanti et al. (MLSys'23)
@@ -40,6 +41,10 @@ ACT_BYTES_PER_TOKEN_LAYER = 34
 # can use a larger micro-batch.
 TRAIN_MICRO_BATCH_TOKENS = 4096
 INFER_MICRO_BATCH_TOKENS = 16384
+# Gradients are reduced in fp32 even when training in bf16: Megatron-LM forces
+# accumulate_allreduce_grads_in_fp32 for bf16 ("bfloat16 requires gradient accumulation and
+# all-reduce to be done in fp32", arguments.py) and verl's FSDP defaults reduce_dtype to fp32.
+GRAD_REDUCE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -166,8 +171,16 @@ def train_cost(
 
     Per mini-batch the pipeline runs (m + p - 1) slots (1F1B); each slot is one
     micro-batch's forward and backward on one stage, plus its TP all-reduces, layer
-    launch latencies and the activation send to the next stage. Gradient sync is
-    exposed only where it outlasts the last micro-batch's backward it overlaps with.
+    launch latencies and the activation send to the next stage. A slot's compute is a
+    roofline: FLOPs at `train_mfu`, but never less than streaming the stage's weights once
+    per pass (forward, and dgrad + wgrad in backward) plus the fp32 gradient accumulation,
+    which binds when a micro-batch has only a few tokens per device.
+    Data parallelism (Megatron distributed optimizer for zero=1, FSDP for zero=3) reduces
+    fp32 gradients (`GRAD_REDUCE_BYTES`) and all-gathers bf16 weights: zero=1 reduce-scatters
+    once per step, hidden behind the last micro-batch's backward, and all-gathers the
+    updated weights, hidden behind the next step's first forward (Megatron's
+    overlap_grad_reduce / overlap_param_gather); zero=3 gathers twice and reduce-scatters
+    once per micro-batch, hidden behind that micro-batch's compute. Only the excess counts.
     """
     seq_lens = np.asarray(seq_lens, dtype=float)  # (N,) tokens per sample (prompt + response)
     eff, b = hw.efficiency, hw.param_bytes
@@ -177,26 +190,32 @@ def train_cost(
     mb_tok = per_mb * mean_len
     fwd = per_mb * mean_sequence_flops(model, seq_lens)
     passes = 4 if lay.recompute else 3
-    compute = passes * fwd / (lay.tp * lay.pp * hw.peak_flops * eff.train_mfu)
+    stage_params = model.params / (lay.tp * lay.pp)
+    flops_time = passes * fwd / (lay.tp * lay.pp * hw.peak_flops * eff.train_mfu)
+    # Weight-streaming floor: each pass reads the stage's weights; backward also reads and
+    # writes the fp32 gradient accumulator (2 x 4 bytes per parameter).
+    stream = stage_params * (passes * b + 2 * GRAD_REDUCE_BYTES) / (hw.mem_bw * eff.decode_mbu)
+    compute = max(flops_time, stream)
     layers_stage = model.layers / lay.pp
     latency = passes * layers_stage * eff.layer_latency_s
     tp_bw = link_bw(hw, lay.tp)
     tp_comm = (6 if lay.recompute else 4) * layers_stage * allreduce_seconds(hw, mb_tok * model.hidden * b, lay.tp, tp_bw)
     pp_comm = 2 * p2p_seconds(hw, mb_tok * model.hidden * b / lay.tp, link_bw(hw, lay.gpus)) if lay.pp > 1 else 0.0
-    stage_params = model.params / (lay.tp * lay.pp)
     dp_bw = link_bw(hw, lay.tp * lay.dp)
+    gather = allgather_seconds(hw, stage_params * b, lay.dp, dp_bw)  # bf16 weights
+    reduce = allgather_seconds(hw, stage_params * GRAD_REDUCE_BYTES, lay.dp, dp_bw)  # fp32 gradients
     zero3_exposed = 0.0
     if lay.zero == 3 and lay.dp > 1:
-        # ZeRO-3: gather weights for forward and backward, reduce-scatter gradients, per micro-batch,
-        # prefetched while the previous layer computes.
-        per_mb_comm = 3 * allgather_seconds(hw, stage_params * b, lay.dp, dp_bw)
-        zero3_exposed = max(0.0, per_mb_comm - compute)
+        # FSDP: gather weights for forward and backward, reduce-scatter gradients, per
+        # micro-batch, prefetched while the previous layer computes.
+        zero3_exposed = max(0.0, 2 * gather + reduce - compute)
     slot = compute + latency + tp_comm + pp_comm + zero3_exposed
     pipeline = (m + lay.pp - 1) * slot
     if lay.zero == 3:
         grad_sync = 0.0  # already reduce-scattered per micro-batch
     else:
-        grad_sync = max(0.0, allreduce_seconds(hw, stage_params * b, lay.dp, dp_bw) - compute * 2 / passes)
+        backward, forward = compute * (passes - 1) / passes, compute / passes
+        grad_sync = max(0.0, reduce - backward) + max(0.0, gather - forward)
     opt_params = stage_params / lay.dp
     opt_step = 2 * opt_params * (2 * b + optimizer_bytes_per_param(hw)) / (hw.mem_bw * eff.decode_mbu)
     steps = mini_batches * epochs
@@ -222,14 +241,16 @@ def infer_cost(
     m, per_mb = _micro_batches(n_rank, mean_len, mb_tokens)
     mb_tok = per_mb * mean_len
     fwd = per_mb * mean_sequence_flops(model, seq_lens)
-    compute = fwd / (lay.tp * lay.pp * hw.peak_flops * eff.infer_mfu)
+    stage_params = model.params / (lay.tp * lay.pp)
+    # Roofline per micro-batch: FLOPs, or streaming the stage's weights once if that is slower.
+    compute = max(fwd / (lay.tp * lay.pp * hw.peak_flops * eff.infer_mfu),
+                  stage_params * b / (hw.mem_bw * eff.decode_mbu))  # fmt: skip
     layers_stage = model.layers / lay.pp
     latency = layers_stage * eff.layer_latency_s
     tp_comm = 2 * layers_stage * allreduce_seconds(hw, mb_tok * model.hidden * b, lay.tp, link_bw(hw, lay.tp))
     pp_comm = p2p_seconds(hw, mb_tok * model.hidden * b / lay.tp, link_bw(hw, lay.gpus)) if lay.pp > 1 else 0.0
     zero3 = 0.0
     if lay.zero == 3 and lay.dp > 1:
-        stage_params = model.params / (lay.tp * lay.pp)
         zero3 = max(0.0, allgather_seconds(hw, stage_params * b, lay.dp, link_bw(hw, lay.tp * lay.dp)) - compute)
     slot = compute + latency + tp_comm + pp_comm + zero3
     total = (m + lay.pp - 1) * slot
