@@ -124,6 +124,7 @@ class RLTrainer:
             ref_dir.with_suffix(".tmp").rename(ref_dir)
         self.sft_curve = json.loads((ref_dir / "sft_curve.json").read_text())
         ckpt = latest_checkpoint(self.run_dir) if resume else None
+        self.resumed_from = ckpt  # the schedule strategy reads its own part (an async prefetch) from it
         a = cfg.algorithm
         if self.recipe.cost_critic and not self.task.has_cost:
             raise ValueError(f"algorithm.name={a.name} needs a task with a cost; task {self.task.name!r} has none")
@@ -378,12 +379,14 @@ class RLTrainer:
 
     def save(self, step: int) -> Path:
         """A checkpoint: each trainable group writes its model and optimizer from its own processes."""
-        # An async run has drawn the next step's prompts already; a resume draws them again.
+        # An async run has drawn the next step's prompts already: a resume draws them again and
+        # takes that step's samples from the checkpoint (Strategy.save).
         cursor = self.strategy.cursor() if self.strategy else self.stream.cursor
         state = {"cursor": cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
         if self.lagrange:
             state["lagrange"] = self.lagrange.value
         writers = [lambda d, g=g: g.save(str(d)) for g in self.trainable_groups()]
+        writers += [self.strategy.save] if self.strategy else []
         path = save_checkpoint(self.run_dir, step, {}, {}, state, writers=writers)
         self.tracer.save()
         return path

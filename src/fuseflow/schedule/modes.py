@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from fuseflow.telemetry.gantt import parse_trace, trace_step_metrics
 
 from .microbatch import TokenBudgetBatcher, scatter_rows
 from .migration import plan_migration, resolve_threshold, should_migrate
+from .pending import load_pending, save_pending
 from .pool import RolloutPool, TaskQueue
 from .staleness import check_staleness, staleness_metrics
 
@@ -91,6 +93,8 @@ class Strategy:
         self.history: list[list[int]] = []  # response lengths of earlier steps (auto threshold)
         self.migrated: dict[int, int] = {}
         self.train_tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
+        if trainer.resumed_from is not None:
+            self._restore(trainer.resumed_from)
 
     # ------------------------------------------------------------------ the step's experience
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -372,6 +376,31 @@ class Strategy:
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": v}}
                 for k, v in self.t.tracer.tracks.items()]
         return trace_step_metrics(parse_trace(meta + events), step)
+
+    def save(self, ckpt_dir) -> None:
+        """Checkpoint writer: a pending prefetch's samples (waited for), so a resume continues exactly."""
+        if self.prefetch is not None:
+            save_pending(Path(ckpt_dir), self.prefetch[0], self.prefetch[1].result().samples)
+
+    def _restore(self, ckpt_dir) -> None:
+        """Take the checkpoint's prefetched samples as the next step's, drawing its prompts again."""
+        pending = load_pending(Path(ckpt_dir))
+        if pending is None:
+            return
+        step, samples = pending
+        t, cursor = self.t, self.t.stream.cursor
+        requests, prompts = t.requests_for(step, 0, t.cfg.trainer.prompts_per_step, 0)
+        by_uid = {r.uid: (r, p) for r, p in zip(requests, prompts, strict=True)}
+        if sorted(by_uid) != sorted(x.uid for x in samples) or any(
+                by_uid[x.uid][0].prompt_ids != x.prompt_ids for x in samples):
+            raise ValueError(f"{ckpt_dir}: the saved samples of step {step} do not match this config's prompts "
+                             "(were trainer.prompts_per_step, algorithm.group_size or the task changed?)")
+        samples.sort(key=lambda x: x.uid)
+        gen = Generated(samples, [by_uid[x.uid][1] for x in samples],
+                        [decode_response(t.tokenizer, x.response_ids) for x in samples])
+        fut: Future = Future()
+        fut.set_result(gen)
+        self.prefetch = (step, fut, cursor)
 
     def cursor(self) -> int:
         """Prompts consumed by finished steps: a pending prefetch's draw is redone on resume."""
