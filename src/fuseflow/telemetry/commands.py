@@ -43,3 +43,20 @@ def register(app: typer.Typer) -> None:
         last = (chosen or trace.steps())[-1]
         busy = ", ".join(f"{k} {v:.0%}" for k, v in busy_fraction(trace, last).items())
         console.print(f"Wrote {path} ({len(trace.tracks())} tracks); busy in step {last}: {busy}", soft_wrap=True)
+
+    @plot_app.command("compare")
+    def plot_compare_cmd(runs: list[Path] = typer.Argument(..., help="Run directories to draw side by side."),
+                         metric: str = typer.Option("reward/mean", "--metric", "-m", help="A metrics.jsonl key."),
+                         out: Path = typer.Option(Path("compare.png"), "--out", "-o", help="PNG path."),
+                         smooth: int = typer.Option(1, "--smooth", help="Moving average over this many steps.")
+                         ) -> None:
+        """One metric against step for several runs, e.g. reward per step of schedule.mode A/B runs."""
+        from fuseflow.console import console, fail
+        from fuseflow.telemetry.plots import plot_compare
+
+        try:
+            path, series = plot_compare(runs, metric, out, smooth)
+        except ValueError as e:
+            fail(str(e))
+        means = ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in series.items())
+        console.print(f"Wrote {path}; mean {metric} over steps: {means}", soft_wrap=True)

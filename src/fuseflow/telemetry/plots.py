@@ -85,3 +85,41 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+
+def plot_compare(runs: list[Path], metric: str, out: Path, smooth: int = 1) -> tuple[Path, dict[str, list[float]]]:
+    """One PNG with ``metric`` against step for several runs (e.g. ``schedule.mode`` A/B); the series.
+
+    ``smooth > 1`` draws a trailing moving average over that many steps on top of the raw
+    points, which is how "within noise" is judged by eye. Raises ``ValueError`` naming the run
+    when one has no metrics or lacks ``metric`` (listing the metrics it has).
+    """
+    if smooth < 1:
+        raise ValueError(f"--smooth must be >= 1, got {smooth}")
+    data: dict[str, tuple[list[int], list[float]]] = {}
+    for run in runs:
+        rows = read_metrics(run)
+        if not rows:
+            raise ValueError(f"{run}: no metrics.jsonl (is it a run directory?)")
+        have = [r for r in rows if r.get(metric) is not None]
+        if not have:
+            known = sorted({k for r in rows for k in r if k != "step"})
+            raise ValueError(f"{run}: no metric {metric!r}; it has: {', '.join(known)}")
+        label = Path(run).name
+        while label in data:  # two runs with the same directory name
+            label += "'"
+        data[label] = ([r["step"] for r in have], [float(r[metric]) for r in have])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, (xs, ys) in data.items():
+        if smooth == 1:
+            ax.plot(xs, ys, marker=".", label=label)
+            continue
+        line = ax.plot(xs, ys, marker=".", linestyle="", alpha=0.45)[0]
+        avg = [sum(ys[max(0, i - smooth + 1):i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(ys))]
+        ax.plot(xs, avg, color=line.get_color(), label=f"{label} ({smooth}-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.legend()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, Path(out)), {label: ys for label, (_, ys) in data.items()}
