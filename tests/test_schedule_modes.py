@@ -159,9 +159,13 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
 
     out = run_fusion(steps=2, workers=2, quick=True, modes=("sequential", "fused"), trl_steps=0,
                      plot=tmp_path / "reward.png", work_dir=tmp_path, extra=[f"cache_dir={sft_cache}"],
-                     log=lambda *_: None)
+                     log=lambda *_: None, repeats=2)
     assert set(out["modes"]) == {"sequential", "fused"}
     assert out["modes"]["sequential"]["speedup_vs_sequential"] == 1.0
+    assert out["modes"]["sequential"]["speedup_vs_sequential_runs"] == [1.0, 1.0]
+    for r in out["modes"].values():  # the reported run is the lower median of the repeats
+        assert len(r["samples_per_second_runs"]) == 2
+        assert round(r["samples_per_second"], 2) == min(r["samples_per_second_runs"])
     for r in out["modes"].values():
         assert r["samples_per_second"] > 0 and 0 < r["busy_fraction"] <= 1 and len(r["reward_per_step"]) == 2
     # fused trains like sequential, so its rewards match step for step

@@ -10,7 +10,8 @@ then inference micro-batches on all of them, then training.
 Figures per mode exclude the first step (warm-up): ``step_seconds`` is the median wall time
 between consecutive step ends (in async modes a step's generation ran during the previous
 one), ``samples_per_second`` is samples over the summed wall time, ``busy_fraction`` the mean
-over steps of the workers' busy fraction from the trace. ``speedup_vs_trl`` comes from
+over steps of the workers' busy fraction from the trace. With ``repeats > 1`` every mode runs
+that many times in alternating order and reports its (lower) median run. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -103,21 +104,40 @@ def plot_reward_vs_time(modes: dict[str, dict], out: Path) -> Path:
 
 def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tuple[str, ...] = MODES,
                trl_steps: int = 0, threads: int = 1, plot: Path | None = None, work_dir: Path | None = None,
-               extra: list[str] | None = None, log=print) -> dict:
-    """Every mode in turn, then (``trl_steps > 0``) GRPO vs TRL with fuseflow in the fastest mode."""
+               extra: list[str] | None = None, log=print, repeats: int = 1) -> dict:
+    """Every mode in turn (``repeats`` times, median run), then (``trl_steps > 0``) GRPO vs TRL with
+    fuseflow in the fastest mode."""
     if steps < 2:
         raise ValueError(f"--steps must be >= 2 (the first step is a warm-up), got {steps}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="fuseflow-bench-fusion-") as scratch:
-            return run_fusion(steps, workers, quick, modes, trl_steps, threads, plot, Path(scratch), extra, log)
+            return run_fusion(steps, workers, quick, modes, trl_steps, threads, plot, Path(scratch), extra, log,
+                              repeats)
     torch.set_num_threads(threads)
-    results = {m: run_mode(m, workers, steps, quick, Path(work_dir), extra, log) for m in modes}
+    # Repeats alternate the mode order (ABBA...), so load that drifts during a run on a shared
+    # machine favours no mode; each mode reports its median run and every run's samples/s.
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(repeats):
+        for m in (modes if rep % 2 == 0 else modes[::-1]):
+            runs[m].append(run_mode(m, workers, steps, quick, Path(work_dir) / f"rep{rep}", extra, log))
+    results = {}
+    for m, rs in runs.items():
+        ordered = sorted(rs, key=lambda r: r["samples_per_second"])
+        results[m] = ordered[(len(ordered) - 1) // 2] | {
+            "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs]}
     base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
     for r in results.values():
         r["speedup_vs_sequential"] = r["samples_per_second"] / base
+    if "sequential" in runs:  # per-repeat ratios: each mode against the sequential run of the same repeat
+        for m, r in results.items():
+            r["speedup_vs_sequential_runs"] = [round(x["samples_per_second"] / b["samples_per_second"], 3)
+                                               for x, b in zip(runs[m], runs["sequential"], strict=True)]
     out = {"benchmark": "ppo_sort_fusion", "device": "cpu", "torch_threads": threads,
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
            "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
+                        "repeats": repeats,
                         "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
            "modes": results}
     if plot is not None:
@@ -142,6 +162,7 @@ def register(bench_app) -> None:
                      workers: int = typer.Option(2, "--workers", help="Rollout/inference workers (threads)."),
                      trl_steps: int = typer.Option(4, "--trl-steps", help="GRPO steps vs TRL (0 skips TRL)."),
                      mode: list[str] = typer.Option(None, "--mode", help="Only these modes (repeatable)."),
+                     repeats: int = typer.Option(1, "--repeats", help="Runs per mode, order alternating; median."),
                      quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
                      ) -> None:
         """PPO on `sort` in sequential, fused, async and fused+async; samples/s per mode; GRPO vs TRL."""
@@ -153,7 +174,7 @@ def register(bench_app) -> None:
             if workers < 1 or trl_steps < 0:
                 raise ValueError(f"--workers must be >= 1 and --trl-steps >= 0, got {workers} and {trl_steps}")
             result = run_fusion(steps, workers, quick, tuple(mode or MODES), trl_steps, 1, plot, None, overrides,
-                                console.print)
+                                console.print, repeats)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
             fail(str(e))
         for name, r in result["modes"].items():
