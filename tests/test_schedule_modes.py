@@ -191,6 +191,7 @@ def test_updates_get_the_idle_workers_cores(tmp_path, sft_cache, mode, want):
             tr.step(1)
         finally:
             tr.close()
+        want = min(want, len(os.sched_getaffinity(0)))  # capped at the cores this process may use
         assert seen == [want, want]
         assert torch.get_num_threads() == 1  # restored once training is over
     finally:

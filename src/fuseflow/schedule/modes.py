@@ -26,6 +26,7 @@ migration); inference values differ only by float summation order (micro-batch w
 from __future__ import annotations
 
 import copy
+import os
 import queue
 import threading
 import time
@@ -339,7 +340,7 @@ class Strategy:
             # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
             # threads (verl trains each model on all devices, one model after the other).
             own = torch.get_num_threads()
-            torch.set_num_threads(own * len(self.pool))
+            torch.set_num_threads(min(own * len(self.pool), _cores()))  # never more threads than cores
             try:
                 return self.t.overlap(step, updates)
             finally:
@@ -413,6 +414,11 @@ class Strategy:
             except Exception:  # noqa: BLE001 - the run is ending; its samples are not used
                 pass
             self.prefetch = None
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _field_of(stage: str) -> str:
