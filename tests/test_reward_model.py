@@ -158,7 +158,8 @@ def test_file_task_run_with_a_reward_model_and_no_reward_function(tmp_path, sft_
     torch.nn.init.normal_(model.value_head.weight, std=0.5)
     RewardModel(model, tok).save(tmp_path / "rm", {"score_mean": 0.0, "score_std": 1.0})
     data = _write(tmp_path / "d.jsonl", [{"prompt": f"q{i}=", "response": str(i % 10)} for i in range(60)])
-    tiny = ["sft.max_steps=4", "sft.eval_every=2", "sft.eval_size=8", "trainer.steps=2", "trainer.prompts_per_step=4",
+    tiny = ["sft.max_steps=6", "sft.eval_every=1", "sft.patience=2", "sft.eval_size=8", "trainer.steps=2",
+            "trainer.prompts_per_step=4",
             "algorithm.group_size=4", "trainer.mini_batch_size=8", "trainer.micro_batch_size=4",
             "trainer.eval_size=8", "trainer.eval_every=2", "trainer.save_every=2"]
     base = ["task.name=file", f"task.path={data}", f"cache_dir={sft_cache}", *tiny]
@@ -171,5 +172,12 @@ def test_file_task_run_with_a_reward_model_and_no_reward_function(tmp_path, sft_
     # The reward is the reward model's score alone; with no task function there is nothing else to log.
     assert all(r["reward/mean"] == pytest.approx(r["reward/rm_score"]) and "reward/fn_score" not in r for r in rows)
     assert len({r["reward/mean"] for r in rows}) > 1 and all(r["train/skipped_update"] == 0.0 for r in rows)
-    evals = json.loads((tmp_path / "run/summary.json").read_text())["evals"]
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    evals = summary["evals"]
     assert "rm_score" in evals[-1] and "gold_win_rate" not in evals[-1]
+    # No correct answer to count: no accuracy anywhere (not a misleading 0), and SFT had nothing to
+    # early-stop on, so it trained all 6 steps instead of stopping after `patience` flat evals.
+    assert all("reward/accuracy" not in r for r in rows) and all("accuracy" not in e for e in evals)
+    assert summary["accuracy_before"] is None and summary["accuracy_gain"] is None
+    sft_curve = json.loads((tmp_path / "run/reference/sft_curve.json").read_text())
+    assert sft_curve[-1]["step"] == 6 and all("accuracy" not in c for c in sft_curve)

@@ -116,7 +116,7 @@ def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
         with make_progress(console) as progress:
             path, curve = ensure_sft_model(cfg, make_task(cfg.task), load_tokenizer(cfg.model.tokenizer), device,
                                            dtype, progress, console.print)
-        best = max(curve, key=lambda c: c["accuracy"]) if curve else None
+        best = max(curve, key=lambda c: c["accuracy"]) if curve and "accuracy" in curve[0] else None
         if best:
             console.print(f"SFT model: {path} (best held-out accuracy {best['accuracy']:.3f} at step {best['step']})")
         if output:

@@ -24,7 +24,11 @@ def encode_prompts(tokenizer, prompts: list[Prompt], max_len: int) -> list[list[
 @torch.no_grad()
 def evaluate(model, tokenizer, task: Task, prompts: list[Prompt], max_prompt_len: int, max_new_tokens: int,
              batch_size: int = 256) -> dict[str, float]:
-    """Greedy accuracy, mean reward and mean response length on ``prompts``."""
+    """Greedy accuracy, mean reward and mean response length on ``prompts``.
+
+    A task without a reward function (a file task scored by a reward model) has no notion of
+    a correct answer: only ``response_length`` is returned, never an accuracy of 0.
+    """
     sampler = Sampler(model, tokenizer.pad_token_id, max_batch=batch_size)
     params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     ids = encode_prompts(tokenizer, prompts, max_prompt_len)
@@ -37,6 +41,8 @@ def evaluate(model, tokenizer, task: Task, prompts: list[Prompt], max_prompt_len
         correct += float(r == r and r >= task.success_threshold)
         length += len(s.response_ids)
     n = max(len(prompts), 1)
+    if not task.has_reward:
+        return {"response_length": length / n}
     return {"accuracy": correct / n, "reward": reward / n, "response_length": length / n}
 
 

@@ -48,7 +48,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model_config(), indent=1))
             if not any(e["step"] == 0 for e in trainer.evals):
                 ev = trainer.evaluate(0)
-                console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
+                if "accuracy" in ev:
+                    console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
             bar = progress.add_task("RL", total=t.steps, completed=trainer.start_step)
             for step in range(trainer.start_step + 1, t.steps + 1):
                 m = trainer.step(step)
@@ -58,8 +59,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                 if step % t.save_every == 0 or step == t.steps:
                     trainer.save(step)
                 progress.update(bar, completed=step, description=(
-                    f"RL step {step} reward {m['reward/mean']:.3f} acc {m['reward/accuracy']:.3f} "
-                    f"{m['perf/tokens_per_second']:.0f} tok/s"))
+                    f"RL step {step} reward {m['reward/mean']:.3f} "
+                    + (f"acc {m['reward/accuracy']:.3f} " if "reward/accuracy" in m else "")
+                    + f"{m['perf/tokens_per_second']:.0f} tok/s"))
                 if stop_after is not None and step >= stop_after:
                     break
         except WorkerFailure as e:  # a worker died or a collective timed out: say what survives
@@ -96,9 +98,10 @@ def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dic
                                                                           ("after", ev[-1] if ev else {})) if key in e}
     return extras | {
         "preset": cfg.preset, "algorithm": cfg.algorithm.name, "task": cfg.task.name,
-        "accuracy_before": ev[0]["accuracy"] if ev else None,
-        "accuracy_after": ev[-1]["accuracy"] if ev else None,
-        "accuracy_gain": (ev[-1]["accuracy"] - ev[0]["accuracy"]) if ev else None,
+        # None where the task has no correct answer (scored by a reward model alone)
+        "accuracy_before": ev[0].get("accuracy") if ev else None,
+        "accuracy_after": ev[-1].get("accuracy") if ev else None,
+        "accuracy_gain": (ev[-1]["accuracy"] - ev[0]["accuracy"]) if ev and "accuracy" in ev[0] else None,
         "reward_first": sum(rewards[:k]) / k if rows else None,
         "reward_last": sum(rewards[-k:]) / k if rows else None,
         "reward_window_steps": k,
@@ -108,7 +111,7 @@ def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dic
         "tokens_per_second": tokens / seconds if seconds else 0.0,
         "stage_seconds": {k2: round(v, 3) for k2, v in sorted(stages.items())},
         "sft_steps": sft_curve[-1]["step"] if sft_curve else 0,
-        "sft_best_accuracy": max((c["accuracy"] for c in sft_curve), default=None),
+        "sft_best_accuracy": max((c["accuracy"] for c in sft_curve if "accuracy" in c), default=None),
         "evals": ev,
     }
 
@@ -117,7 +120,7 @@ def print_summary(console: Console, s: dict, run_dir: Path) -> None:
     table = Table(title=f"fuseflow run summary ({s['algorithm']} on {s['task']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "n/a" if v is None else str(v)  # noqa: E731
     for key in ("accuracy_before", "accuracy_after", "accuracy_gain", "reward_first", "reward_last", "steps",
                 "wall_seconds", "samples_per_second", "tokens_per_second"):
         table.add_row(key, fmt(s[key]))

@@ -73,7 +73,11 @@ def new_model(cfg: Config, tokenizer) -> CausalLM:
 
 
 def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) -> tuple[CausalLM, list[dict]]:
-    """Train on demonstrations with early stopping on held-out greedy accuracy; returns the best model."""
+    """Train on demonstrations with early stopping on held-out greedy accuracy; returns the best model.
+
+    A task without a reward function has no held-out accuracy to stop on: it trains all
+    ``sft.max_steps`` and keeps the last model (its curve records the loss only).
+    """
     demos = task.demonstrations()
     if not demos:
         raise ValueError(f"task {task.name!r} has no demonstrations for SFT; add a 'response' column to the data, "
@@ -98,6 +102,12 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
         loss.backward()
         clipped_step(model, opt, 1.0, "sft")
         if step % s.eval_every == 0 or step == s.max_steps:
+            if not task.has_reward:
+                curve.append({"step": step, "loss": float(loss.detach()), "seconds": time.perf_counter() - t0})
+                best_state = None  # nothing to select on: the last model is kept
+                if progress:
+                    progress.update(task_id, completed=step, description=f"SFT loss {float(loss.detach()):.3f}")
+                continue
             ev = evaluate(model, tokenizer, task, eval_prompts, cfg.model.max_prompt_len, cfg.model.max_response_len)
             curve.append({"step": step, "loss": float(loss.detach()), "accuracy": ev["accuracy"], "reward": ev["reward"],
                           "seconds": time.perf_counter() - t0})
@@ -115,7 +125,8 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
             progress.update(task_id, completed=step)
     if progress:
         progress.update(task_id, completed=s.max_steps, visible=False)
-    model.load_state_dict(best_state)
+    if best_state is not None:
+        model.load_state_dict(best_state)
     return model, curve
 
 

@@ -346,7 +346,6 @@ class RLTrainer:
         kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k3")
         diff = ((batch["behavior_logprobs"] - batch["old_logprobs"]).abs() * mask).max()
         out = {"reward/mean": float(torch.nan_to_num(batch["scores"]).mean()),
-               "reward/accuracy": float(batch["correct"].mean()),
                "rollout/response_length_mean": float(lengths.mean()),
                "rollout/response_length_max": float(lengths.max()),
                "rollout/response_length_min": float(lengths.min()),
@@ -355,6 +354,8 @@ class RLTrainer:
                "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}
+        if self.task.has_reward:  # a task scored by a reward model alone has no correct answer
+            out["reward/accuracy"] = float(batch["correct"].mean())
         if "rm_scores" in batch:  # learned RM and the task function (hidden gold rule) side by side
             out["reward/rm_score"] = float(batch["rm_scores"].mean())
             if self.task.has_reward:

@@ -36,11 +36,14 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r.get("reward/mean") for r in rows], label="train reward (sampled)")
-    ax.plot(steps, [r.get("reward/accuracy") for r in rows], label="train accuracy (sampled)", alpha=0.7)
-    if evals:
-        ev = sorted(evals, key=lambda e: e["step"])
+    if any("reward/accuracy" in r for r in rows):
+        ax.plot(steps, [r.get("reward/accuracy") for r in rows], label="train accuracy (sampled)", alpha=0.7)
+    ev = sorted((e for e in evals if "accuracy" in e), key=lambda e: e["step"])
+    if ev:
         ax.plot([e["step"] for e in ev], [e["accuracy"] for e in ev], "o-", label="held-out accuracy (greedy)")
-    ax.set(xlabel="RL step", ylabel="value", title="Reward and accuracy", ylim=(0, 1.05))
+    ax.set(xlabel="RL step", ylabel="value", title="Reward and accuracy")
+    if ev:  # accuracies are fractions; a reward model's scores are unbounded and keep their own range
+        ax.set_ylim(0, 1.05)
     ax.legend()
     written.append(_save(fig, out_dir / "reward.png"))
 
@@ -67,7 +70,7 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
         ax.legend(fontsize=7)
         written.append(_save(fig, out_dir / "stage_time.png"))
 
-    if sft_curve:
+    if sft_curve and "accuracy" in sft_curve[0]:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot([c["step"] for c in sft_curve], [c["accuracy"] for c in sft_curve], "o-", label="held-out accuracy")
         ax2 = ax.twinx()
