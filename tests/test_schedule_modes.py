@@ -237,3 +237,21 @@ def test_pending_samples_round_trip(tmp_path):
     assert [(x.uid, x.group_id, x.prompt_ids, x.response_ids, x.logprobs, x.finish_reason, x.policy_version)
             for x in back] == [(x.uid, x.group_id, x.prompt_ids, x.response_ids, x.logprobs, x.finish_reason,
                                 x.policy_version) for x in samples]
+
+
+def test_a_failing_side_by_side_update_reaches_the_controller(tmp_path, sft_cache):
+    """Fused modes run the critic's update on a thread of its own; its error must not be lost."""
+    cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=1", "trainer.eval_every=100",
+                               "trainer.save_every=100", f"cache_dir={sft_cache}", "schedule.mode=fused",
+                               "schedule.rollout_workers=2"])
+    tr = RLTrainer(cfg, tmp_path / "run", log=lambda *_: None)
+
+    def broken(*_a, **_k):
+        raise FloatingPointError("critic diverged")
+
+    tr.critics[0].worker.update = broken
+    try:
+        with pytest.raises(FloatingPointError, match="critic diverged"):
+            tr.step(1)
+    finally:
+        tr.close()
