@@ -173,9 +173,11 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     assert (tmp_path / "reward.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("mode,want", [("sequential", 2), ("async", 1)])
-def test_updates_get_the_idle_workers_cores(tmp_path, sft_cache, mode, want):
-    """Sequential: nothing else runs during the updates, so they use both workers' cores; async: one."""
+@pytest.mark.parametrize("mode,want,side_by_side", [("sequential", 2, False), ("async", 1, True)])
+def test_updates_get_the_idle_workers_cores(tmp_path, sft_cache, mode, want, side_by_side):
+    """Sequential: nothing else runs during the updates, so each uses both workers' cores in turn;
+    async: the two updates run side by side on a core each (the next step's generation takes
+    whatever core one leaves)."""
     cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=1", "trainer.eval_every=100",
                                "trainer.save_every=100", f"cache_dir={sft_cache}", f"schedule.mode={mode}",
                                "schedule.rollout_workers=2"])
@@ -183,16 +185,18 @@ def test_updates_get_the_idle_workers_cores(tmp_path, sft_cache, mode, want):
     torch.set_num_threads(1)
     try:
         tr = RLTrainer(cfg, tmp_path / mode, log=lambda *_: None)
-        seen = []
+        seen, names = [], set()
         for w in (tr.actor.worker, tr.critics[0].worker):
             inner = w.update
-            w.update = lambda *a, _inner=inner, **k: (seen.append(torch.get_num_threads()), _inner(*a, **k))[1]
+            w.update = lambda *a, _inner=inner, **k: (seen.append(torch.get_num_threads()),
+                                                      names.add(threading.current_thread().name), _inner(*a, **k))[2]
         try:
             tr.step(1)
         finally:
             tr.close()
         want = min(want, len(os.sched_getaffinity(0)))  # capped at the cores this process may use
         assert seen == [want, want]
+        assert (len(names) == 2) == side_by_side  # two threads when the updates run side by side
         assert torch.get_num_threads() == 1  # restored once training is over
     finally:
         torch.set_num_threads(before)

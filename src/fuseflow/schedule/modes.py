@@ -15,9 +15,10 @@ reward, reference/old log-probs and critic values run, and on which worker threa
   proximal policy); the frozen reference and reward may run during training.
 - ``fused+async``: both.
 
-Fused modes also fuse within the training stage (RLHFuse's intra-stage fusion): the actor's
-and critics' updates only share the batch, so each runs on a worker thread of its own, side
-by side, instead of one after the other (``Strategy.train``).
+Fused and async modes also run the training stage side by side (RLHFuse's intra-stage
+fusion): the actor's and critics' updates only share the batch, so each runs on a thread of
+its own instead of one after the other, and in async modes a core that one update leaves
+early goes to the next step's generation (``Strategy.train``).
 
 Sample tokens never depend on the mode (per-request seeds, exported sampler state on
 migration); inference values differ only by float summation order (micro-batch widths).
@@ -325,15 +326,17 @@ class Strategy:
     def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
         """Run the step's updates (name -> starter of a group call); their results by name.
 
-        Fused modes run every update but the last (the actor's) on a thread of its own, the
-        last on the controller thread: the models never touch each other's parameters and the
-        mini-batch shuffles are seeded per update, so results equal the one-after-another
-        order. ``sequential`` keeps that order (``RLTrainer.overlap``), verl's, with each update
-        on the cores of all rollout workers (they are idle then), as does ``fused`` with a single
-        update (GRPO); ``async`` trains on the controller thread alone, beside the next step's
-        generation.
+        Fused and async modes with several updates (PPO's actor and critic) run every update
+        but the last (the actor's) on a thread of its own, the last on the controller thread:
+        the models never touch each other's parameters and the mini-batch shuffles are seeded
+        per update, so results equal the one-after-another order. ``sequential`` keeps that
+        order (``RLTrainer.overlap``), verl's, with each update on the cores of all rollout
+        workers (they are idle then), as does ``fused`` with a single update (GRPO); ``async``
+        with a single update trains on the controller thread alone, beside the next step's
+        generation. Measured on the fusion benchmark (docs/benchmarks.md): async PPO with its
+        updates side by side 121-125 samples/s, one after the other on one thread 90-92.
         """
-        side_by_side = self.s.fused and len(updates) > 1
+        side_by_side = (self.s.fused or self.s.asynchronous) and len(updates) > 1
         if self.s.asynchronous and not side_by_side:
             return self.t.overlap(step, updates)  # one core trains, the others generate the next step
         if not side_by_side:
