@@ -19,9 +19,7 @@ the CPU time the Ray workers report for their calls (Ray's own daemons not inclu
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -29,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from . import cpu_name, write_result
 
 VARIANTS = {"local": [], "ray_dp1": ["backend=ray"], "ray_dp2": ["backend=ray", "actor.dp=2"]}
 
@@ -117,15 +117,7 @@ def summarize(rows: dict[str, list[dict]], cfg, steps: int, threads: int, load: 
 
 
 def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def register(bench_app) -> None:
@@ -154,6 +146,4 @@ def register(bench_app) -> None:
                       f"Ray overhead {100 * result['ray_overhead_frac_dp1']:.1f}% of the step (CPU time: "
                       f"{100 * result['ray_overhead_frac_dp1_cpu']:.1f}%); dp=2/local: {r['ray_dp2_vs_local']:.3f}x",
                       soft_wrap=True)
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+        write_result(out, result)

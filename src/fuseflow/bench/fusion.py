@@ -17,8 +17,7 @@ that many times in alternating order and reports its (lower) median run. ``speed
 
 from __future__ import annotations
 
-import json
-import platform
+import itertools
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ import torch
 
 from fuseflow.config import load_config
 
+from . import cpu_name, write_result
 from .trl import BENCH_OVERRIDES, QUICK_OVERRIDES, bench_config, run_trl_comparison
 
 MODES = ("sequential", "fused", "async", "fused+async")
@@ -82,24 +82,16 @@ def _workers_busy(m: dict, workers: int) -> float:
 
 def plot_reward_vs_time(modes: dict[str, dict], out: Path) -> Path:
     """One PNG: mean reward per step against cumulative wall-clock seconds, one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fuseflow.telemetry.plots import plt, save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, r in modes.items():
-        t = [sum(r["step_wall_seconds"][: i + 1]) for i in range(len(r["step_wall_seconds"]))]
-        ax.plot(t, r["reward_per_step"], marker="o", label=mode)
+        ax.plot(list(itertools.accumulate(r["step_wall_seconds"])), r["reward_per_step"], marker="o", label=mode)
     ax.set_xlabel("wall-clock seconds")
     ax.set_ylabel("mean reward")
     ax.set_title("PPO on sort: reward vs wall-clock per execution mode")
     ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tuple[str, ...] = MODES,
@@ -135,7 +127,7 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
             r["speedup_vs_sequential_runs"] = [round(x["samples_per_second"] / b["samples_per_second"], 3)
                                                for x, b in zip(runs[m], runs["sequential"], strict=True)]
     out = {"benchmark": "ppo_sort_fusion", "device": "cpu", "torch_threads": threads,
-           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "cpu": cpu_name(), "torch": torch.__version__,
            "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
                         "repeats": repeats,
                         "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
@@ -182,6 +174,4 @@ def register(bench_app) -> None:
                           f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}", soft_wrap=True)
         if "speedup_vs_trl" in result:
             console.print(f"speedup_vs_trl {result['speedup_vs_trl']:.2f}x", soft_wrap=True)
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+        write_result(out, result)

@@ -30,8 +30,6 @@ measure the core count, not the framework.
 from __future__ import annotations
 
 import dataclasses
-import json
-import platform
 import statistics
 import tempfile
 import time
@@ -41,6 +39,8 @@ from typing import Any
 import torch
 
 from fuseflow.config import Config, load_config
+
+from . import cpu_name, write_result
 
 # The benchmark's own settings on top of the `sort` preset. The SFT warm start is shortened
 # (300 steps, cached after the first run) because only a policy that ends its responses
@@ -199,7 +199,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     return {
         "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
         "trl_torch_threads": trl_threads,
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "trl_version": trl.__version__,
+        "cpu": cpu_name(), "torch": torch.__version__, "trl_version": trl.__version__,
         "settings": {"task": cfg.task.name, "model": cfg.model.size, "steps": steps, "warmup_steps_excluded": 1,
                      "prompts_per_step": t.prompts_per_step, "group_size": a.group_size,
                      "samples_per_step": samples_per_step, "mini_batch_size": mini,
@@ -240,6 +240,4 @@ def register(bench_app) -> None:
         console.print(f"fuseflow {f['samples_per_second']:.1f} samples/s, TRL {r['samples_per_second']:.1f} "
                       f"samples/s: speedup_vs_trl {result['speedup_vs_trl']:.2f}x "
                       f"(CPU-time ratio {result['speedup_vs_trl_cpu_time']:.2f}x)", soft_wrap=True)
-        if out:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+        write_result(out, result)

@@ -53,6 +53,8 @@ def write_gantt(events: list[TraceEvent], path: str | Path, title: str = "", max
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fuseflow.telemetry.plots import save_figure
+
     rows: dict[tuple[str, str], int] = {}
     per_lane: dict[str, int] = {}
     for e in events:
@@ -84,9 +86,4 @@ def write_gantt(events: list[TraceEvent], path: str | Path, title: str = "", max
     ax.set_xlabel("seconds")
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -153,6 +153,8 @@ def plot_gantt(trace: Trace, out: str | Path, steps: Sequence[int] | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .plots import save_figure
+
     keep = set(steps) if steps is not None else None
     spans = [s for s in trace.spans if keep is None or s.step in keep]
     instants = [i for i in trace.instants if keep is None or i.step in keep]
@@ -182,9 +184,4 @@ def plot_gantt(trace: Trace, out: str | Path, steps: Sequence[int] | None = None
     ax.set_title(title or "timeline (one row per worker)")
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=color[n]) for n in names]
     ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -45,14 +45,14 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
     if ev:  # accuracies are fractions; a reward model's scores are unbounded and keep their own range
         ax.set_ylim(0, 1.05)
     ax.legend()
-    written.append(_save(fig, out_dir / "reward.png"))
+    written.append(save_figure(fig, out_dir / "reward.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("mean", "mean"), ("max", "max"), ("min", "min")):
         ax.plot(steps, [r.get(f"rollout/response_length_{key}") for r in rows], label=label)
     ax.set(xlabel="RL step", ylabel="tokens", title="Response length")
     ax.legend()
-    written.append(_save(fig, out_dir / "response_length.png"))
+    written.append(save_figure(fig, out_dir / "response_length.png"))
 
     per_step = stage_seconds_per_step(run_dir / "trace.json")
     stages = [s for s in ("generate", "reward", "old_logprob", "reference", "values", "advantages",
@@ -68,7 +68,7 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
             bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
         ax.set(xlabel="RL step", ylabel="seconds", title="Time per stage")
         ax.legend(fontsize=7)
-        written.append(_save(fig, out_dir / "stage_time.png"))
+        written.append(save_figure(fig, out_dir / "stage_time.png"))
 
     if sft_curve and "accuracy" in sft_curve[0]:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -79,12 +79,15 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
         ax.set(xlabel="SFT step", ylabel="held-out accuracy (greedy)", title="SFT warm start (early-stopped)")
         ax2.set_ylabel("loss")
         ax.legend(loc="lower right")
-        written.append(_save(fig, out_dir / "sft_curve.png"))
+        written.append(save_figure(fig, out_dir / "sft_curve.png"))
     return written
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (folder created) and close a figure: every fuseflow PNG is saved this way."""
+    path = Path(path)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -124,5 +127,4 @@ def plot_compare(runs: list[Path], metric: str, out: Path, smooth: int = 1) -> t
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.legend()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, Path(out)), {label: ys for label, (_, ys) in data.items()}
+    return save_figure(fig, out), {label: ys for label, (_, ys) in data.items()}
