@@ -191,10 +191,18 @@ def trim_padding(batch: Batch) -> Batch:
 def length_sorted_microbatches(batch: Batch, budget: int) -> list[tuple[list[int], Batch]]:
     """Micro-batches of ``batch`` sorted by length, each within ``budget`` padded tokens after trimming.
 
-    Returns ``(indices, micro_batch)`` pairs; ``indices`` are the rows of ``batch`` in the micro-batch.
-    A micro-batch's cost is rows x (longest prompt + longest response) in it; a sample larger
-    than the budget forms its own. For inference only: training mini-batches must keep their
-    sampled composition (PPO shuffles them), which sorting would change.
+    Returns ``(indices, micro_batch)`` pairs; ``indices`` are the rows of ``batch`` in the micro-batch
+    (``length_sorted_chunks``), and each micro-batch is those rows with their padding trimmed.
+    """
+    return [(idx, trim_padding(batch.select(idx))) for idx in length_sorted_chunks(batch, budget)]
+
+
+def length_sorted_chunks(batch: Batch, budget: int) -> list[list[int]]:
+    """Row indices of ``batch`` sorted by length and cut so each group fits ``budget`` padded tokens.
+
+    A group's cost is rows x (longest prompt + longest response) in it; a sample larger than
+    the budget forms its own. For inference, and for micro-batches within one training
+    mini-batch (PPO's shuffle picks the mini-batch; its rows' order inside does not matter).
     """
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
@@ -215,7 +223,7 @@ def length_sorted_microbatches(batch: Batch, budget: int) -> list[tuple[list[int
         lp, lr = np_, nr
     if cur:
         chunks.append(cur)
-    return [(idx, trim_padding(batch.select(idx))) for idx in chunks]
+    return chunks
 
 
 def scatter_rows(parts: Sequence[tuple[Sequence[int], torch.Tensor]], rows: int, width: int,

@@ -48,10 +48,9 @@ class ReferenceWorker(Worker):
 
     token_budget = 4096  # padded tokens per inference forward (schedule.token_budget; the builder sets it)
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, temperature: float,
-                 micro_batch_size: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, temperature: float):
         self.model = self.plain = model.eval().requires_grad_(False)
-        self.device, self.dtype, self.temperature, self.mbs = device, dtype, temperature, micro_batch_size
+        self.device, self.dtype, self.temperature = device, dtype, temperature
 
     @register("dp_split")
     @torch.no_grad()

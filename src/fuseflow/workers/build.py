@@ -95,7 +95,7 @@ def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
     worker = ReferenceWorker(CausalLM.from_pretrained(ctx.ref_dir).to(device), device, dtype,
-                             cfg.rollout.temperature, cfg.trainer.micro_batch_size)
+                             cfg.rollout.temperature)
     worker.heldout = HeldOut.from_config(cfg, ctx.task, load_tokenizer(cfg.model.tokenizer))
     worker.token_budget = cfg.schedule.token_budget
     return worker

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from fuseflow.data.batch import Batch, length_sorted_microbatches, pad_sequences, scatter_rows, trim_padding
+from fuseflow.data.batch import Batch, length_sorted_chunks, pad_sequences, scatter_rows, trim_padding
 from fuseflow.rollout.base import Sample
 
 
@@ -106,10 +106,10 @@ def sorted_inference(batch: Batch, budget: int, fn, worker=None) -> torch.Tensor
     (masked columns carry no weight and positions come from the mask). A ``worker`` whose
     model is FSDP-sharded runs as many forwards as its peers (see ``match_peer_count``).
     """
-    pairs = length_sorted_microbatches(batch, budget)
+    chunks = length_sorted_chunks(batch, budget)
     if getattr(worker, "sharded", False):
-        pairs = [(c, trim_padding(batch.select(c))) for c in match_peer_count(worker, [i for i, _ in pairs])]
-    parts = [(idx, fn(mb)) for idx, mb in pairs]
+        chunks = match_peer_count(worker, chunks)
+    parts = [(idx, fn(trim_padding(batch.select(idx)))) for idx in chunks]
     return scatter_rows(parts, len(batch), batch["response_mask"].shape[1])
 
 
@@ -142,6 +142,6 @@ def train_microbatches(worker, mini: Batch, budget: int, max_rows: int) -> list[
     every rank must run as many forwards/backwards as its peers (each one all-gathers and
     reduce-scatters), so ranks agree on the largest count and split their biggest groups to reach it.
     """
-    chunks = [idx for idx, _ in length_sorted_microbatches(mini, budget)]
+    chunks = length_sorted_chunks(mini, budget)
     chunks = [c[i : i + max_rows] for c in chunks for i in range(0, len(c), max_rows)]
     return [trim_padding(mini.select(c)) for c in match_peer_count(worker, chunks)]

@@ -23,7 +23,7 @@ from fuseflow.models.llama import CausalLM
 
 from ..base import RolloutBackend, RolloutRequest, Sample
 from .kv import BlockManager
-from .runner import ModelRunner
+from .runner import LINEAR_KERNELS, ModelRunner
 from .sampling import sample_tokens
 from .scheduler import Scheduler
 from .sequence import PartialState, Sequence
@@ -63,7 +63,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "kv_budget_tokens", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.linear_kernel not in ("auto", "onednn", "torch"):
+        if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"EngineConfig.linear_kernel must be auto, onednn or torch, got {self.linear_kernel!r}")
         if not 0 <= self.decode_cache_fraction < 1:
             raise ValueError(f"EngineConfig.decode_cache_fraction must be in [0, 1), got {self.decode_cache_fraction}")
@@ -136,8 +136,7 @@ class Engine(RolloutBackend):
                 logits = logits[torch.tensor(index, device=logits.device)]
             tokens, logprobs = sample_tokens(logits, seqs)
             done = self.scheduler.postprocess(plan, tokens, logprobs, self.policy_version)
-            if not self.scheduler.has_unfinished():
-                self.runner.decode_cache.reset()
+            self._release_if_idle()
             return done
 
     def has_unfinished(self) -> bool:
@@ -160,9 +159,13 @@ class Engine(RolloutBackend):
         """Stop these samples (waiting or running) and return their state; unknown uids are ignored."""
         with self._lock:
             out = [s.to_partial() for s in self.scheduler.abort(set(uids))]
-            if not self.scheduler.has_unfinished():
-                self.runner.decode_cache.reset()
+            self._release_if_idle()
             return out
+
+    def _release_if_idle(self) -> None:
+        """With no request left, the decode copy of the KV cache holds nothing worth keeping."""
+        if not self.scheduler.has_unfinished():
+            self.runner.decode_cache.reset()
 
     # ------------------------------------------------------------------------------------ weights, stats
     def update_weights(self, version: int | None = None, state_dict: Mapping[str, Tensor] | None = None) -> None:

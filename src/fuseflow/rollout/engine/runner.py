@@ -13,6 +13,8 @@ a trainer updating that model in place is seen at once (no copy).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -21,6 +23,8 @@ from fuseflow.models.llama import CausalLM, attend, rope_cos_sin, rope_inv_freq
 
 from .kv import DecodeCache, KVPool
 from .scheduler import StepPlan
+
+LINEAR_KERNELS = ("auto", "onednn", "torch")  # EngineConfig.linear_kernel
 
 
 def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -47,7 +51,7 @@ class Linears:
     ONEDNN_MIN_MACS = 1_500_000  # rows x in x out below which torch's call is cheaper
 
     def __init__(self, kernel: str, device: torch.device, dtype: torch.dtype):
-        if kernel not in ("auto", "onednn", "torch"):
+        if kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear kernel must be auto, onednn or torch, got {kernel!r}")
         ok = onednn_available(device, dtype)
         if kernel == "onednn" and not ok:
@@ -79,22 +83,20 @@ class Linears:
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear runs here and agrees with `F.linear` (probed once per device/dtype)."""
-    key = (device.type, dtype)
-    if key not in _ONEDNN_PROBE:
-        ok = False
-        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
-            try:
-                gen = torch.Generator().manual_seed(0)
-                x, w = torch.randn(3, 8, generator=gen).to(dtype), torch.randn(5, 8, generator=gen).to(dtype)
-                got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                ok = torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
-            except (AttributeError, RuntimeError):
-                ok = False
-        _ONEDNN_PROBE[key] = ok
-    return _ONEDNN_PROBE[key]
+    return _probe_onednn(device.type, dtype)
 
 
-_ONEDNN_PROBE: dict[tuple, bool] = {}
+@functools.cache
+def _probe_onednn(device_type: str, dtype: torch.dtype) -> bool:
+    if device_type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 8, generator=gen).to(dtype), torch.randn(5, 8, generator=gen).to(dtype)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
