@@ -2,10 +2,11 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from fuseflow.cli import app
-from fuseflow.telemetry.plots import plot_compare
+from fuseflow.telemetry.plots import moving_average, plot_compare
 
 runner = CliRunner()
 
@@ -22,6 +23,8 @@ def test_compare_writes_a_png_with_each_runs_series(tmp_path):
     path, series = plot_compare([a, b], "reward/mean", tmp_path / "out" / "cmp.png", smooth=2)
     assert path.stat().st_size > 0
     assert series == {"sequential": [0.1, 0.3, 0.5, 0.7], "async": [0.2, 0.2, 0.6, 0.6]}
+    assert moving_average([0.1, 0.3, 0.5, 0.7], 2) == pytest.approx([0.1, 0.2, 0.4, 0.6])  # the drawn --smooth line
+    assert moving_average([1.0, 3.0, 5.0], 1) == [1.0, 3.0, 5.0]
     result = runner.invoke(app, ["plot", "compare", str(a), str(b), "--out", str(tmp_path / "c.png")])
     assert result.exit_code == 0, result.output
     assert "sequential 0.400" in result.output and "async 0.400" in result.output  # means over steps

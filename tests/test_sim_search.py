@@ -68,7 +68,9 @@ def test_search_returns_feasible_ranked_plans():
     tree, notes = plan_config_tree(p, top[0])
     assert tree["trainer"]["mini_batch_size"] % tree["trainer"]["micro_batch_size"] == 0
     used = sum(pool["nodes"] * pool["workers_per_node"] for pool in tree["pools"].values())
-    assert used <= 16 and any("GPUs" in line for line in notes)
+    assert used <= 16
+    for s in top[0].plan.sets:  # one note per GPU set of the plan, naming its roles and size
+        assert f"set {'+'.join(s.roles)}: {s.gpus} GPUs" in "\n".join(notes)
 
 
 def test_infeasible_problem_is_reported():

@@ -35,11 +35,11 @@ def evaluate(model, tokenizer, task: Task, prompts: list[Prompt], max_prompt_len
     reqs = [RolloutRequest(i, x, params) for i, x in enumerate(ids)]
     correct = reward = length = 0.0
     for s in sampler.generate(reqs):
-        text = decode_response(tokenizer, s.response_ids)
-        r = task.score(prompts[s.uid], text)
-        reward += r if r == r else 0.0
-        correct += float(r == r and r >= task.success_threshold)
         length += len(s.response_ids)
+        if task.has_reward:
+            r = task.score(prompts[s.uid], decode_response(tokenizer, s.response_ids))
+            reward += r if r == r else 0.0
+            correct += float(r == r and r >= task.success_threshold)
     n = max(len(prompts), 1)
     if not task.has_reward:
         return {"response_length": length / n}

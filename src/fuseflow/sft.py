@@ -102,23 +102,20 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
         loss.backward()
         clipped_step(model, opt, 1.0, "sft")
         if step % s.eval_every == 0 or step == s.max_steps:
-            if not task.has_reward:
-                curve.append({"step": step, "loss": float(loss.detach()), "seconds": time.perf_counter() - t0})
-                best_state = None  # nothing to select on: the last model is kept
-                if progress:
-                    progress.update(task_id, completed=step, description=f"SFT loss {float(loss.detach()):.3f}")
-                continue
-            ev = evaluate(model, tokenizer, task, eval_prompts, cfg.model.max_prompt_len, cfg.model.max_response_len)
-            curve.append({"step": step, "loss": float(loss.detach()), "accuracy": ev["accuracy"], "reward": ev["reward"],
-                          "seconds": time.perf_counter() - t0})
-            if ev["accuracy"] > best:
-                best, since_best = ev["accuracy"], 0
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            else:
-                since_best += 1
+            row = {"step": step, "loss": float(loss.detach())}
+            if task.has_reward:  # without one there is nothing to select on: the last model is kept
+                ev = evaluate(model, tokenizer, task, eval_prompts, cfg.model.max_prompt_len,
+                              cfg.model.max_response_len)
+                row |= {"accuracy": ev["accuracy"], "reward": ev["reward"]}
+                if ev["accuracy"] > best:
+                    best, since_best = ev["accuracy"], 0
+                    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                else:
+                    since_best += 1
+            curve.append(row | {"seconds": time.perf_counter() - t0})
             if progress:
-                progress.update(task_id, completed=step,
-                                description=f"SFT loss {float(loss.detach()):.3f} held-out acc {ev['accuracy']:.3f}")
+                acc = f" held-out acc {row['accuracy']:.3f}" if "accuracy" in row else ""
+                progress.update(task_id, completed=step, description=f"SFT loss {row['loss']:.3f}{acc}")
             if since_best >= s.patience:
                 break
         elif progress:

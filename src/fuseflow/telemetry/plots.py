@@ -83,6 +83,11 @@ def plot_run(run_dir: Path, evals: list[dict], sft_curve: list[dict]) -> list[Pa
     return written
 
 
+def moving_average(ys: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start): [1, 3, 5], 2 -> [1, 2, 4]."""
+    return [sum(ys[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(ys))]
+
+
 def save_figure(fig, path: Path) -> Path:
     """Lay out, write (folder created) and close a figure: every fuseflow PNG is saved this way."""
     path = Path(path)
@@ -122,7 +127,7 @@ def plot_compare(runs: list[Path], metric: str, out: Path, smooth: int = 1) -> t
             ax.plot(xs, ys, marker=".", label=label)
             continue
         line = ax.plot(xs, ys, marker=".", linestyle="", alpha=0.45)[0]
-        avg = [sum(ys[max(0, i - smooth + 1):i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(ys))]
+        avg = moving_average(ys, smooth)
         ax.plot(xs, avg, color=line.get_color(), label=f"{label} ({smooth}-step mean)")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
