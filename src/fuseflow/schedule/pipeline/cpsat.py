@@ -37,8 +37,6 @@ class CpOutcome:
     start: list[int] | None = None
     bound: float | None = None  # proved lower bound on the objective, in memory units
     deterministic: bool = True  # False when the wall-clock safety stop ended the search
-    det_used: float = 0.0  # deterministic seconds the search used
-    conflicts: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,12 +109,11 @@ def _outcome(
 ) -> CpOutcome:
     # The wall stop fired if the search ended early in deterministic time without a proof.
     cut = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) and solver.wall_time >= 0.98 * effort.wall
-    used = {"det_used": solver.deterministic_time, "conflicts": solver.num_conflicts}
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return CpOutcome("solved", [solver.value(v) for v in model.s], bound, not cut, **used)
+        return CpOutcome("solved", [solver.value(v) for v in model.s], bound, not cut)
     if status == cp_model.INFEASIBLE:
-        return CpOutcome("infeasible", **used)
-    return CpOutcome("unknown", deterministic=not cut, **used)
+        return CpOutcome("infeasible")
+    return CpOutcome("unknown", deterministic=not cut)
 
 
 def feasible(g: TaskGraph, horizon: int, effort: Effort, hint: list[int] | None = None, seed: int = 0) -> CpOutcome:

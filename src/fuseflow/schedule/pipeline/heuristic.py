@@ -72,39 +72,34 @@ def search(
     rng: random.Random,
     noise: list[float],
     patience: int = 400,
-    by_makespan: bool = False,
     max_rounds: int = 2000,
-    stats: dict[str, int] | None = None,
-) -> tuple[int, list[int]]:
+) -> tuple[int, list[int], int, bool]:
     """Search for a schedule of `g` with makespan <= `target` in at most `max_rounds` rounds.
 
     Gives up early after `patience` rounds without lowering the tardiness (on the suite,
     successful searches improved far more often than that). The effort is counted in
     rounds so that a seeded search gives the same answer however loaded the machine is;
     `budget` (seconds) is only a safety stop. Returns (makespan, start times) of the least
-    tardy schedule seen; `prio` seeds the first round (e.g. a previous schedule's start
-    times). Raises CycleError for cyclic g. With `by_makespan` a round is kept on its
-    makespan alone: a flatter landscape, which sometimes finds the bound from cold starts
-    where tardiness does not.
+    tardy schedule seen, the rounds used (the first one included) and whether the safety
+    stop ended the search; `prio` seeds the first round (e.g. a previous schedule's start
+    times). Raises CycleError for cyclic g.
     """
     stop = time.perf_counter() + budget
     lf = latest_finish(g, target)
-
-    def energy(e: list[int]) -> int:
-        return max(max(e) - target, 0) if by_makespan else tardiness(e, lf)
-
     s, e = justify(g, *sgs(g, prio))
-    best_t, best_s, best_e = energy(e), s, e
+    best_t, best_s, best_e = tardiness(e, lf), s, e
     n = g.n
     stale = rounds = 0
-    while best_t > 0 and stale < patience and rounds < max_rounds and time.perf_counter() < stop:
+    timed_out = False
+    while best_t > 0 and stale < patience and rounds < max_rounds:
+        if time.perf_counter() >= stop:
+            timed_out = True
+            break
         rounds += 1
         scale = rng.choice(noise)
         s, e = justify(g, *sgs(g, [best_s[i] + rng.random() * scale for i in range(n)]))
-        t = energy(e)
+        t = tardiness(e, lf)
         stale = 0 if t < best_t else stale + 1
         if t <= best_t:
             best_t, best_s, best_e = t, s, e
-    if stats is not None:
-        stats["rounds"] = stats.get("rounds", 0) + rounds + 1
-    return max(best_e), best_s
+    return max(best_e), best_s, rounds + 1, timed_out

@@ -84,13 +84,15 @@ def descent(sr: Search) -> None:
     g0, makespan = sr.g0, sr.best_score[0]
     sec = "B" if primary_model(sr.inst) == "A" else "A"
     base = strict_primary(sr)
+    base_edges = cap_edges(g0, base)
+    g_base = g0.with_edges(base_edges)
     cur = sr.best_start
-    if not respects(g0.with_edges(cap_edges(g0, base)), cur):
-        found = _repair(sr, g0.with_edges(cap_edges(g0, base)), cur, makespan)
+    if not respects(g_base, cur):
+        found = _repair(sr, g_base, cur, makespan)
         if found is None:
             return
         cur = found
-        sr.offer("memory-descent", cur, cap_edges(g0, base))
+        sr.offer("memory-descent", cur, base_edges)
     caps = dict(base)
     caps.update({(d, sec): (max(1, max_in_flight(g0, cur, d, sec)), False) for d in range(sr.inst.n_devices)})
     while sr.left() > 0.1:
@@ -118,11 +120,12 @@ def exact(sr: Search, strict: bool, det: float = EXACT_DET) -> bool:
         return False
     g0 = sr.g0
     edges = cap_edges(g0, strict_primary(sr)) if strict else []
-    if not respects(g0.with_edges(edges), sr.best_start):
+    g = g0.with_edges(edges)
+    if not respects(g, sr.best_start):
         return False
     out = sr.note(
         cpsat.min_memory(
-            g0.with_edges(edges),
+            g,
             sr.best_score[0],
             sr.effort(det),
             sr.best_start,
@@ -156,10 +159,10 @@ def flatten(sr: Search) -> None:
     """
     g0, makespan = sr.g0, sr.best_score[0]
     cur, edges = sr.best_start, sr.best_edges
-    cur_score = score_of(makespan, device_peaks_of(g0, cur))
+    cur_score = sr.best_score  # cur is the incumbent
     tried: set[tuple[int, int]] = set()
-    stop = sr.stats["rounds"] + sr.rounds_for(FLATTEN_WORK)
-    while sr.stats["rounds"] < stop and sr.left() > 0.1:
+    stop = sr.rounds_used + sr.rounds_for(FLATTEN_WORK)
+    while sr.rounds_used < stop and sr.left() > 0.1:
         peaks = device_peaks_of(g0, cur)
         top = max(peaks)
         accepted = False
@@ -167,12 +170,12 @@ def flatten(sr: Search) -> None:
             _, fwd, live = peak_point(g0, cur, d)
             # Delay the peak's forward behind an in-flight backward, soonest-ending first.
             for bwd in sorted(live, key=cur.__getitem__):
-                if (bwd, fwd) in tried or sr.stats["rounds"] >= stop or sr.left() <= 0.1:
+                if (bwd, fwd) in tried or sr.rounds_used >= stop or sr.left() <= 0.1:
                     continue
                 tried.add((bwd, fwd))
                 trial = edges + [(bwd, fwd)]
                 try:
-                    rounds = min(FLATTEN_ROUNDS, stop - sr.stats["rounds"])
+                    rounds = min(FLATTEN_ROUNDS, stop - sr.rounds_used)
                     span, new = sr.heuristic(g0.with_edges(trial), cur, makespan, rounds, patience=100)
                 except CycleError:
                     continue

@@ -46,7 +46,7 @@ class Search:
         self.best_score: Score | None = None
         self.history: list[tuple[float, str, int, float]] = []
         self.cut = False  # True once the wall-clock safety stop has ended some search early
-        self.stats: dict[str, int] = {"rounds": 0}  # list-scheduling rounds run so far
+        self.rounds_used = 0  # list-scheduling rounds run so far
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -80,17 +80,15 @@ class Search:
         target: int,
         rounds: int,
         patience: int = 400,
-        by_makespan: bool = False,
     ) -> tuple[int, list[int]]:
         """List-scheduling search for at most `rounds` rounds (see heuristic.search)."""
-        left = self.left()
-        t = time.perf_counter()
-        out = heuristic.search(
-            g, prio, target, max(0.0, left), self.rng, self.noise, patience, by_makespan, rounds, self.stats
+        makespan, start, used, timed_out = heuristic.search(
+            g, prio, target, max(0.0, self.left()), self.rng, self.noise, patience, rounds
         )
-        if time.perf_counter() - t >= left and out[0] > target:
+        self.rounds_used += used
+        if timed_out and makespan > target:
             self.cut = True
-        return out
+        return makespan, start
 
     def effort(self, det: float, conflicts: int | None = None) -> cpsat.Effort:
         """CP-SAT limits (see cpsat.Effort), stopped by the overall deadline at the latest."""
