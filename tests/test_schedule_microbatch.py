@@ -7,16 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuseflow.data.batch import Batch
+from fuseflow.data.batch import Batch, length_sorted_microbatches, scatter_rows, trim_padding
 from fuseflow.rollout.base import Sample
-from fuseflow.schedule.microbatch import (
-    TokenBudgetBatcher,
-    length_sorted_microbatches,
-    sample_tokens,
-    scatter_rows,
-    stream_microbatches,
-    trim_padding,
-)
+from fuseflow.schedule.microbatch import TokenBudgetBatcher, sample_tokens, stream_microbatches
 
 
 def test_hand_case():

@@ -9,9 +9,9 @@ and batch-at-once inference see the same micro-batches for the same arrival orde
 
 Padding is most of the cost on long-tailed tasks: a ``Batch`` is as wide as its longest
 prompt plus its longest response, and on ``sort`` that is about 3.8x the real tokens.
-``length_sorted_microbatches`` sorts a whole batch by length, cuts it by the budget and trims
-each micro-batch to its own widths (about 1.4x real tokens on ``sort``); ``scatter_rows``
-puts the per-sample outputs back in batch order. Streamed samples need no sorting: short
+``fuseflow.data.batch.length_sorted_microbatches`` sorts a whole batch by length, cuts it by the
+budget and trims each micro-batch to its own widths (about 1.4x real tokens on ``sort``);
+``fuseflow.data.batch.scatter_rows`` puts the per-sample outputs back in batch order. Streamed samples need no sorting: short
 ones finish first, so arrival order is already roughly by length.
 """
 
@@ -20,14 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
-from fuseflow.data.batch import length_sorted_microbatches, scatter_rows, trim_padding
 from fuseflow.rollout.base import Sample
 
 T = TypeVar("T")
-
-# Whole-batch, length-sorted micro-batching lives in the data layer (the workers use it); re-exported here.
-__all__ = ["TokenBudgetBatcher", "length_sorted_microbatches", "sample_tokens", "scatter_rows",
-           "stream_microbatches", "trim_padding"]
 
 
 def sample_tokens(sample: Sample) -> int:
