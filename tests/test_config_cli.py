@@ -81,3 +81,28 @@ def test_resume_of_non_run_dir_is_clear(tmp_path):
 def test_export_without_checkpoint_is_clear(tmp_path):
     result = runner.invoke(app, ["export", str(tmp_path), str(tmp_path / "out")])
     assert result.exit_code == 2 and "no checkpoints yet" in result.output
+
+
+@pytest.mark.parametrize("text, expect", [
+    (None, "cannot read it"),
+    ("trainer: [1,\n", "not valid YAML"),
+    ("- trainer\n- steps\n", "expected a mapping of config sections, got list"),
+])
+def test_bad_config_file_is_one_line_error_naming_it(tmp_path, text, expect):
+    # One reader serves `config show --config FILE` and `train --resume DIR` (DIR/config.yaml):
+    # both name the file at fault and exit with 2, never with a traceback.
+    cfg_file = tmp_path / "plan.yaml"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if text is not None:
+        cfg_file.write_text(text)
+        (run_dir / "config.yaml").write_text(text)
+    result = runner.invoke(app, ["config", "show", "--config", str(cfg_file)])
+    assert result.exit_code == 2, result.output
+    assert f"--config {cfg_file}: {expect}" in " ".join(result.output.split()), result.output
+    if text is None:
+        return  # a run directory without config.yaml is test_resume_of_non_run_dir_is_clear
+    result = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert result.exit_code == 2, result.output
+    assert f"--resume {run_dir}: config.yaml: {expect}" in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output

@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from fuseflow.config import ConfigError, load_config, load_run_config, preset_names
+from fuseflow.config_tree import read_config_file
 from fuseflow.console import console, fail
 from fuseflow.controller.group import WorkerFailure
 
@@ -42,25 +43,11 @@ def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET,
                                             "defaults.")) -> None:
     """Print the resolved config as YAML."""
     try:
-        base = _read_config_file(config) if config is not None else None
+        base = read_config_file(config, f"--config {config}") if config is not None else None
         cfg = load_config(preset, overrides, base=base)
     except ConfigError as e:
         fail(str(e))
     typer.echo(cfg.to_yaml(), nl=False)
-
-
-def _read_config_file(path: Path) -> dict:
-    import yaml
-
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of config sections, got {type(tree).__name__}")
-    return tree
 
 
 @app.command()

@@ -17,9 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A bad config value, with a one-line message meant for a person."""
+from fuseflow.config_tree import ConfigError, parse_override, read_config_file, set_path
 
 
 class _Section(BaseModel):
@@ -422,30 +420,6 @@ def _read_preset(name: str) -> dict[str, Any]:
     return yaml.safe_load(text) or {}
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """Split ``a.b.c=value`` into a key path and a YAML-typed value."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected key=value, e.g. trainer.steps=50")
-    key, raw = item.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r}: empty key; expected a dotted key such as trainer.steps")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    node = tree
-    for i, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a section; cannot set {'.'.join(path)}")
-        node = child
-    node[path[-1]] = value
-
-
 def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
@@ -484,7 +458,7 @@ def load_config(preset: str = "default", overrides: list[str] | None = None, bas
     tree.setdefault("preset", preset)
     for item in overrides or []:
         path, value = parse_override(item)
-        _set_path(tree, path, value)
+        set_path(tree, path, value)
     try:
         return Config.model_validate(tree)
     except ValidationError as err:
@@ -496,5 +470,5 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; pass a run directory made by `fuseflow train`")
-    tree = yaml.safe_load(path.read_text())
+    tree = read_config_file(path, f"--resume {run_dir}: {path.name}")
     return load_config(tree.get("preset", "default"), overrides, base=tree)
