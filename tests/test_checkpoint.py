@@ -7,6 +7,7 @@ from fuseflow.checkpoint import (
     find_checkpoint,
     latest_checkpoint,
     load_optimizer,
+    read_state,
     save_checkpoint,
     save_optimizer,
 )
@@ -51,16 +52,38 @@ def test_optimizer_round_trip_is_exact(tmp_path):
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
 
 
+def _writers(model, opt):
+    # The trainer's path: each worker group writes its own model and optimizer into the directory.
+    return [lambda d: model.save_pretrained(d / "actor"), lambda d: save_optimizer(opt, d / "optim_actor")]
+
+
 def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     m = _Tiny()
     opt = _trained_opt(m)
     assert latest_checkpoint(tmp_path) is None
-    p1 = save_checkpoint(tmp_path, 1, {"actor": m}, {"actor": opt}, {"cursor": 5})
-    p2 = save_checkpoint(tmp_path, 2, {"actor": m}, {"actor": opt}, {"cursor": 9})
+    p1 = save_checkpoint(tmp_path, 1, {}, {}, {"cursor": 5}, writers=_writers(m, opt))
+    p2 = save_checkpoint(tmp_path, 2, {}, {}, {"cursor": 9}, writers=_writers(m, opt))
     assert latest_checkpoint(tmp_path) == p2 and find_checkpoint(tmp_path, 1) == p1
+    assert read_state(p2)["cursor"] == 9 and read_state(p1)["step"] == 1
+    for name in ("actor/model.safetensors", "optim_actor.safetensors", "optim_actor.json", "rng.safetensors"):
+        assert (p2 / name).is_file(), name
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if ".tmp" in p.name]
     # A half-written directory from a crash is ignored: only renamed ones count.
     (tmp_path / "checkpoints" / ".step_3.tmp-123").mkdir()
     assert latest_checkpoint(tmp_path) == p2
     with pytest.raises(FileNotFoundError, match="have: step_1, step_2"):
         find_checkpoint(tmp_path, 7)
+
+
+def test_failing_writer_leaves_the_previous_checkpoint_latest(tmp_path):
+    m = _Tiny()
+    opt = _trained_opt(m)
+    p1 = save_checkpoint(tmp_path, 1, {}, {}, {"cursor": 5}, writers=_writers(m, opt))
+
+    def crash(d):
+        (d / "partial.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, {}, {}, {"cursor": 9}, writers=[*_writers(m, opt), crash])
+    assert latest_checkpoint(tmp_path) == p1 and not (tmp_path / "checkpoints" / "step_2").exists()
