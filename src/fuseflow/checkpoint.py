@@ -20,13 +20,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def save_optimizer(opt: torch.optim.Optimizer, prefix: Path) -> None:
-    """``prefix.safetensors`` (per-param tensors) + ``prefix.json`` (param groups, scalar state)."""
-    save_optimizer_state(opt.state_dict(), prefix)
-
-
 def save_optimizer_state(sd: dict, prefix: Path) -> None:
-    """Write an optimizer ``state_dict()`` (e.g. one gathered from FSDP shards) as ``save_optimizer`` does."""
+    """Write an optimizer ``state_dict()`` (local, or gathered from FSDP shards) without pickle.
+
+    ``prefix.safetensors`` holds the per-parameter tensors, ``prefix.json`` the param groups and scalars.
+    """
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
@@ -38,12 +36,8 @@ def save_optimizer_state(sd: dict, prefix: Path) -> None:
     prefix.with_suffix(".json").write_text(json.dumps({"param_groups": sd["param_groups"], "scalars": scalars}))
 
 
-def load_optimizer(opt: torch.optim.Optimizer, prefix: Path) -> None:
-    opt.load_state_dict(load_optimizer_state(prefix))
-
-
 def load_optimizer_state(prefix: Path) -> dict:
-    """The optimizer ``state_dict()`` that ``save_optimizer`` wrote at ``prefix``."""
+    """The optimizer ``state_dict()`` that ``save_optimizer_state`` wrote at ``prefix``."""
     meta = json.loads(prefix.with_suffix(".json").read_text())
     tensors = load_file(str(prefix.with_suffix(".safetensors")))
     state: dict[int, dict] = {}
@@ -93,7 +87,7 @@ def save_checkpoint(run_dir: Path, step: int, models: dict, optimizers: dict[str
     if tokenizer is not None and "actor" in models:
         tokenizer.save_pretrained(str(tmp / "actor"))
     for name, opt in optimizers.items():
-        save_optimizer(opt, tmp / f"optim_{name}")
+        save_optimizer_state(opt.state_dict(), tmp / f"optim_{name}")
     for write in writers or []:
         write(tmp)
     rng_tensors, rng_plain = rng_state()
