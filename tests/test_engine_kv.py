@@ -87,7 +87,7 @@ def test_pool_write_gather_and_copy_place_tokens_by_block_table() -> None:
                   device=torch.device("cpu"))
     k = torch.arange(9, dtype=torch.float32).view(3, 1, 3)  # 3 tokens
     # Positions 0, 1, 2 of a sequence whose table is [2, 0]: slots 4, 5, 0.
-    pool.write(0, torch.tensor([4, 5, 0]), k, -k)
+    pool.write_kv(0, torch.tensor([4, 5, 0]), torch.stack((k, -k), dim=1))  # kv (N, 2, n_kv, hd)
     keys, values = pool.gather(0, torch.tensor([[2, 0]]))  # (1, n_kv, 4, hd)
     assert torch.equal(keys[0, 0, :3], k[:, 0]) and torch.equal(values[0, 0, :3], -k[:, 0])
     pool.copy_blocks([(2, 3)])
@@ -104,7 +104,7 @@ def _pool_with_known_keys() -> KVPool:
                   device=torch.device("cpu"))
     for layer in range(2):  # key of (block b, offset o) = 10 * b + o (+ 100 per layer); value = -key
         keys = torch.tensor([10.0 * b + o + 100 * layer for b in range(6) for o in range(2)]).view(-1, 1, 1)
-        pool.write(layer, torch.arange(12), keys, -keys)
+        pool.write_kv(layer, torch.arange(12), torch.stack((keys, -keys), dim=1))
     return pool
 
 

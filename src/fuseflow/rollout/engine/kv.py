@@ -163,12 +163,8 @@ class KVPool:
         self.layers = list(self.data.unbind(0))  # per-layer views (num_blocks, block_size, 2, n_kv, hd)
         self._slots = [t.view(-1, 2, n_kv, head_dim) for t in self.layers]  # per layer (num_blocks * bs, 2, ...)
 
-    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Store k, v (N, n_kv, hd) at flat slots (N,) = block * block_size + offset."""
-        self.write_kv(layer, slots, torch.stack((k, v), dim=1))
-
     def write_kv(self, layer: int, slots: Tensor, kv: Tensor) -> None:
-        """Store stacked keys and values kv (N, 2, n_kv, hd) at flat slots (N,)."""
+        """Store stacked keys and values kv (N, 2, n_kv, hd) at flat slots (N,) = block * block_size + offset."""
         self._slots[layer].index_copy_(0, slots, kv)
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
