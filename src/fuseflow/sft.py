@@ -8,6 +8,7 @@ hash of everything that determines it, so a second run reuses it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -48,8 +49,46 @@ def lr_at(step: int, total: int, base: float, warmup: int, min_ratio: float) -> 
 
 
 def sft_cache_dir(cfg: Config) -> Path:
-    key = cfg.digest("task", "model", "sft") + f"-s{cfg.seed}-v{SFT_VERSION}"
+    """Cache directory of the SFT model for ``cfg``: keyed by the config sections that shape it and by
+    the files they name (``inputs_digest``), so an edited data file trains a new model instead of reusing
+    the old one. ``reward.model`` is left out: SFT never reads the reward model."""
+    key = cfg.digest("task", "model", "sft") + f"-{inputs_digest(sft_inputs(cfg))}-s{cfg.seed}-v{SFT_VERSION}"
     return Path(cfg.cache_dir).expanduser() / "sft" / key
+
+
+def sft_inputs(cfg: Config) -> list[Path]:
+    """Files and directories the SFT model is trained from: data, reward code (which picks the best
+    model by held-out accuracy), tokenizer and starting model. A reward given as ``package.module``
+    is not covered: its code is the installed package's."""
+    t, m = cfg.task, cfg.model
+    reward_file = t.reward_fn.rsplit(":", 1)[0] if t.reward_fn and ":" in t.reward_fn else None
+    paths = [t.path, t.eval_path, reward_file if reward_file and reward_file.endswith(".py") else None,
+             m.tokenizer, m.path]
+    return [Path(p).expanduser() for p in paths if p]
+
+
+# Content, not mtime, for files up to 64 MiB (data, code, tokenizers): a re-checkout or `touch` still hits
+# the cache and any edit misses it. Bigger ones (model weights) go by size and mtime, so none is read each run.
+HASH_LIMIT = 64 << 20
+
+
+def inputs_digest(paths: list[Path]) -> str:
+    """Stable hash of the files under ``paths`` (each a file or a directory; a missing one counts as such)."""
+    h = hashlib.sha256()
+    for root in paths:
+        files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+        h.update(f"{root}\0".encode())
+        for f in files:
+            if not f.is_file():
+                h.update(b"missing\0")
+                continue
+            st = f.stat()
+            if st.st_size > HASH_LIMIT:
+                part = f"{st.st_size}:{st.st_mtime_ns}"
+            else:
+                part = hashlib.sha256(f.read_bytes()).hexdigest()
+            h.update(f"{f.relative_to(root) if f != root else ''}:{part}\0".encode())
+    return h.hexdigest()[:16]
 
 
 def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> Batch:
