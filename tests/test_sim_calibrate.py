@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import yaml
 
+from fuseflow.sim import calibrate as calibrate_mod
 from fuseflow.sim.calibrate import (
     StepRecord,
     calibrate,
+    fit,
     load_run,
     predict_stages,
     step_lengths,
@@ -71,6 +73,19 @@ def test_calibration_recovers_factors_and_step_time(tmp_path):
     assert out["median_step_seconds"]["measured"] == pytest.approx(true_median)
     assert abs(out["median_step_seconds"]["relative_error"]) < 0.05
     assert abs(out["held_out"]["relative_error"]) < 0.08
+
+
+def test_fit_builds_each_step_shape_once(tmp_path, monkeypatch):
+    # The shapes do not depend on the factors, so the optimiser's thousands of loss
+    # evaluations must reuse them: one build per step record, not one per evaluation.
+    fabricate(tmp_path, steps=3)
+    run = load_run(tmp_path)
+    calls = []
+    real = calibrate_mod.step_shapes
+    monkeypatch.setattr(calibrate_mod, "step_shapes", lambda r, rec: calls.append(rec.step) or real(r, rec))
+    fitted = fit(run, get_hardware("cpu"))
+    assert sorted(calls) == [0, 1, 2]
+    assert fitted.efficiency.train_mfu == pytest.approx(TRUE["train_mfu"], rel=0.15)
 
 
 def test_missing_files_are_named(tmp_path):

@@ -156,9 +156,27 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int) -> np.ndarra
     return widths
 
 
-def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str, float]:
-    """Predicted seconds of each stage of one step of a fuseflow run on one device."""
-    m, lay = run.model, Layout()
+@dataclass(frozen=True)
+class StepShapes:
+    """The hardware-independent shapes of one step: what the loss needs per record, built once.
+
+    Rebuilding the per-sample lengths and micro-batch widths for every loss evaluation cost
+    the optimiser most of its time; the factors change only how these shapes are priced.
+    """
+
+    seq: np.ndarray  # (N,) width each row is computed at in inference
+    train_seq: np.ndarray  # (N,) width each row is computed at in training
+    mb_tokens: int  # padded tokens per inference micro-batch
+    train_mb: int  # padded tokens per training micro-batch
+    mini: int  # optimizer steps (mini-batches) per epoch
+    # Decode workload, (context at start, response tokens) per row; `Seq`s are built per pricing
+    # because the decode simulation advances them in place.
+    decode: tuple[tuple[int, int], ...]
+    samples: int
+
+
+def step_shapes(run: RunData, rec: StepRecord) -> StepShapes:
+    """Per-sample lengths, micro-batch widths and decode workload of one step of `run`."""
     prompt, resp = step_lengths(rec)
     n = len(resp)
     p_max = max(rec.prompt_max, float(prompt.max()))
@@ -177,31 +195,42 @@ def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str,
         mb_tokens = run.token_budget
         # Training micro-batches also hold at most micro_batch_size rows.
         train_mb = max(1, int(min(run.token_budget, min(run.micro_batch_size, n) * float(train_seq.mean()))))
-    dm = DecodeModel(m, hw)
     # The old sampler starts every row's KV context at the longest prompt; the engine at its own.
-    seqs = [Seq(i, int(p_max) if run.padded_prompts else int(p), int(r))
-            for i, (p, r) in enumerate(zip(prompt, resp, strict=True))]  # fmt: skip
-    value = m.as_value_model()
-    host = hw.efficiency.host_seconds_per_sample * n
+    decode = tuple((int(p_max) if run.padded_prompts else int(p), int(r))
+                   for p, r in zip(prompt, resp, strict=True))  # fmt: skip
+    return StepShapes(seq, train_seq, mb_tokens, train_mb, mini, decode, n)
+
+
+def price_stages(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> dict[str, float]:
+    """Predicted seconds of each stage of a step with `shapes`, priced with `hw`'s factors."""
+    m, lay, s = run.model, Layout(), shapes
+    host = hw.efficiency.host_seconds_per_sample * s.samples
+    infer = infer_cost(m, hw, lay, s.seq, s.mb_tokens).seconds
     out = {
-        "generate": run_replica(dm, seqs).end,
-        "reference": infer_cost(m, hw, lay, seq, mb_tokens).seconds,
-        "old_logprob": infer_cost(m, hw, lay, seq, mb_tokens).seconds,
+        "generate": run_replica(DecodeModel(m, hw), [Seq(i, p, r) for i, (p, r) in enumerate(s.decode)]).end,
+        "reference": infer,
+        "old_logprob": infer,
         "reward": host,
         "advantages": host,
-        "actor_update": train_cost(m, hw, lay, train_seq, mini, run.epochs, train_mb).seconds,
+        "actor_update": train_cost(m, hw, lay, s.train_seq, s.mini, run.epochs, s.train_mb).seconds,
         "weight_sync": 0.0,  # the CPU sampler shares the trainer's weights: nothing moves
     }
     if run.algorithm == "ppo":
-        out["values"] = infer_cost(value, hw, lay, seq, mb_tokens).seconds
-        out["critic_update"] = train_cost(value, hw, lay, train_seq, mini, run.epochs, train_mb).seconds
+        value = m.as_value_model()
+        out["values"] = infer_cost(value, hw, lay, s.seq, s.mb_tokens).seconds
+        out["critic_update"] = train_cost(value, hw, lay, s.train_seq, s.mini, run.epochs, s.train_mb).seconds
     return out
 
 
-def _loss(run: RunData, recs: list[StepRecord], hw: HardwareSpec) -> float:
+def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str, float]:
+    """Predicted seconds of each stage of one step of a fuseflow run on one device."""
+    return price_stages(run, step_shapes(run, rec), hw)
+
+
+def _loss(recs: list[tuple[StepRecord, StepShapes]], run: RunData, hw: HardwareSpec) -> float:
     err = []
-    for rec in recs:
-        pred = predict_stages(run, rec, hw)
+    for rec, shapes in recs:
+        pred = price_stages(run, shapes, hw)
         for name, obs in rec.stages.items():
             if name in pred and pred[name] > 0 and obs > 1e-5:
                 err.append(math.log(pred[name] / obs))
@@ -240,6 +269,8 @@ def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 400, tol: flo
 def fit(run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None) -> HardwareSpec:
     """The hardware spec with efficiency factors fitted to `recs` (default: every step)."""
     recs = recs or run.steps
+    # Shapes do not depend on the factors: build them once, not on each of ~10^4 evaluations.
+    shaped = [(r, step_shapes(run, r)) for r in recs]
     names = list(FACTORS)
     lo = np.log([FACTORS[k][0] for k in names])
     hi = np.log([FACTORS[k][1] for k in names])
@@ -261,9 +292,9 @@ def fit(run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None) ->
         starts.append(x)
     found = []
     for start in starts:
-        x = nelder_mead(lambda x: _loss(run, recs, spec(x)), start)
-        x = nelder_mead(lambda x: _loss(run, recs, spec(x)), x, step=0.1)  # restart: escapes early collapse
-        found.append((_loss(run, recs, spec(x)), x))
+        x = nelder_mead(lambda x: _loss(shaped, run, spec(x)), start)
+        x = nelder_mead(lambda x: _loss(shaped, run, spec(x)), x, step=0.1)  # restart: escapes early collapse
+        found.append((_loss(shaped, run, spec(x)), x))
     # Latency and MFU trade off along a flat valley, so another start replaces the first
     # only when its fit is clearly better (20% lower loss), not by noise-level amounts.
     best_loss, best = found[0]
@@ -290,7 +321,8 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     run = load_run(run_dir)
     base = get_hardware(hardware)
     fitted = fit(run, base)
-    preds = [sum(predict_stages(run, r, fitted).values()) for r in run.steps]
+    stages = [predict_stages(run, r, fitted) for r in run.steps]
+    preds = [sum(st.values()) for st in stages]
     measured = [r.step_seconds for r in run.steps]
     med_pred, med_meas = float(np.median(preds)), float(np.median(measured))
     out = {
@@ -303,7 +335,7 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     for name in STAGES:
         obs = [r.stages[name] for r in run.steps if name in r.stages]
         if obs:
-            pred = [predict_stages(run, r, fitted).get(name, 0.0) for r in run.steps if name in r.stages]
+            pred = [st.get(name, 0.0) for r, st in zip(run.steps, stages, strict=True) if name in r.stages]
             out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
     if len(run.steps) >= 4:
         train_recs, test_recs = run.steps[0::2], run.steps[1::2]
