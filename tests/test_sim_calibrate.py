@@ -16,7 +16,6 @@ from fuseflow.sim.calibrate import (
     load_run,
     predict_stages,
     step_lengths,
-    trimmed_widths,
 )
 from fuseflow.sim.hardware import get_hardware
 
@@ -106,13 +105,6 @@ def test_factors_fitted_on_one_run_predict_another(tmp_path):
     out = calibrate(tmp_path / "a", "cpu", predict_dir=tmp_path / "b")
     assert out["other_run"]["measured"] > 1.3 * out["median_step_seconds"]["measured"]
     assert abs(out["other_run"]["relative_error"]) < 0.05
-
-
-def test_trimmed_widths_by_hand():
-    # Longest first: [10] alone (10 x 2 = 20 > 12), then [4, 4, 3] at width 4 (4 x 3 = 12).
-    assert trimmed_widths(np.array([10, 4, 4, 3]), budget=12, max_rows=8).tolist() == [10, 4, 4, 4]
-    # At most 2 rows per group, longest first: [10, 4] at width 10, then [4, 3] at width 4.
-    assert trimmed_widths(np.array([3, 4, 10, 4]), budget=100, max_rows=2).tolist() == [4, 10, 10, 4]
 
 
 def test_trimmed_micro_batches_price_less_than_padding(tmp_path):

@@ -18,7 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
+
+from fuseflow.data.batch import Batch, length_sorted_chunks, trim_padding
 
 from .costmodel import DecodeModel, Layout, infer_cost, train_cost
 from .generation import Seq, run_replica
@@ -134,26 +137,45 @@ def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
     return np.round(prompt).astype(int), np.round(resp).astype(int)
 
 
-def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int) -> np.ndarray:
+def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.ndarray | None = None) -> np.ndarray:
     """(N,) the width each row is computed at under length-sorted, trimmed micro-batches.
 
-    Rows are sorted longest first and cut into consecutive groups of at most `max_rows`
-    rows whose padded size (rows x longest row) stays within `budget` (a group holds at
-    least one row); each row then costs its group's longest length, as in fuseflow's
-    `Batch.chunk_by_token_budget` and the workers' micro-batches.
-    Example: lengths [10, 4, 4, 3], budget 12, max_rows 8 -> widths [10, 4, 4, 4].
+    The groups are the workers' own: `fuseflow.data.batch.length_sorted_chunks` (shortest
+    first, a group closes when rows x (longest prompt + longest response) would pass
+    `budget`), each cut into pieces of at most `max_rows` rows as training's micro-batches
+    are, and each piece trimmed by `trim_padding`; a row costs its piece's trimmed width.
+    `lengths` are real tokens per row; `prompt` (default 0) is the prompt part of each,
+    since prompt and response are padded separately.
+    Example: lengths [6, 3, 3, 2], budget 12, max_rows 8 -> widths [6, 3, 3, 3]
+    ([2, 3, 3] fits at width 3, 4 x 6 = 24 does not).
     """
-    order = np.argsort(-lengths, kind="stable")
-    widths = np.empty(len(lengths), dtype=float)
-    start = 0
-    while start < len(order):
-        top = float(lengths[order[start]])
-        end = start + 1
-        while end < len(order) and end - start < max_rows and top * (end - start + 1) <= budget:
-            end += 1
-        widths[order[start:end]] = top
-        start = end
+    total = np.asarray(lengths, dtype=int)  # (N,)
+    head = np.zeros_like(total) if prompt is None else np.asarray(prompt, dtype=int)  # (N,)
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if head.shape != total.shape or (head < 0).any() or (head > total).any():
+        raise ValueError("prompt must hold one length per row, each between 0 and that row's length")
+    batch = _mask_batch(head, total - head)
+    widths = np.empty(len(total), dtype=float)
+    for chunk in length_sorted_chunks(batch, budget):
+        for i in range(0, len(chunk), max_rows):
+            rows = chunk[i : i + max_rows]
+            widths[rows] = trim_padding(batch.select(rows))["attention_mask"].shape[1]
     return widths
+
+
+def _mask_batch(prompt: np.ndarray, response: np.ndarray) -> Batch:
+    """A batch holding only the masks of rows with these prompt and response lengths.
+
+    The masks are all the grouping and trimming read, so the workers' functions run on them
+    unchanged; the layout is `Batch`'s (prompt left-padded, response right-padded).
+    """
+    tp, tr = int(prompt.max(initial=0)), max(int(response.max(initial=0)), 1)
+    p, r = torch.as_tensor(prompt)[:, None], torch.as_tensor(response)[:, None]
+    prompt_mask = torch.arange(tp)[None, :] >= tp - p  # (N, Tp)
+    resp_mask = (torch.arange(tr)[None, :] < r).long()  # (N, Tr)
+    attn = torch.cat([prompt_mask.long(), resp_mask], dim=1)  # (N, Tp+Tr)
+    return Batch({"attention_mask": attn, "response_mask": resp_mask.float()})
 
 
 @dataclass(frozen=True)
@@ -189,9 +211,9 @@ def step_shapes(run: RunData, rec: StepRecord) -> StepShapes:
         mb_tokens = train_mb = max(1, int(min(run.micro_batch_size, n) * float(seq[0])))
     else:
         # Length-sorted micro-batches trimmed to their longest row, within the token budget.
-        real = (prompt + resp).astype(float)
-        seq = trimmed_widths(real, run.token_budget, n)
-        train_seq = trimmed_widths(real, run.token_budget, min(run.micro_batch_size, n))
+        real = prompt + resp
+        seq = trimmed_widths(real, run.token_budget, n, prompt=prompt)
+        train_seq = trimmed_widths(real, run.token_budget, min(run.micro_batch_size, n), prompt=prompt)
         mb_tokens = run.token_budget
         # Training micro-batches also hold at most micro_batch_size rows.
         train_mb = max(1, int(min(run.token_budget, min(run.micro_batch_size, n) * float(train_seq.mean()))))
