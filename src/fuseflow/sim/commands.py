@@ -1,8 +1,9 @@
 """CLI commands of the simulator: `simulate`, `plan` and `sim calibrate`.
 
 `register(app)` adds them to the top-level Typer app, so `fuseflow.cli` owns the app
-and this module owns only its commands. Bad input is one line on stderr naming the
-option, the value and what is allowed, then exit code 2.
+and this module owns only its commands. Bad input is one line naming the option, the value
+and what is allowed, then exit code 2, printed by `fuseflow.console.fail` like every
+other command's errors.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 import typer
 import yaml
 
+from fuseflow.console import fail
+
 from .hardware import get_hardware, hardware_names
 from .modelspec import get_model, model_names
 from .placement import Problem
@@ -21,11 +24,6 @@ from .policies import parse_policy
 from .scenarios import SCENARIOS, run_scenario
 from .search import search
 from .workload import LengthDist, Workload
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
 
 
 def _emit(data: dict, as_json: bool, out: Path | None, text: str) -> None:
@@ -51,9 +49,9 @@ def simulate_cmd(
 ) -> None:
     """Replay a published setting (rlhfuse, hybridflow, rlhfless) under each execution policy."""
     if scenario not in SCENARIOS:
-        _fail(f"--scenario {scenario!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
+        fail(f"--scenario {scenario!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
     if iterations < 1:
-        _fail(f"--iterations {iterations}: must be >= 1")
+        fail(f"--iterations {iterations}: must be >= 1")
     result = run_scenario(scenario, trace_dir, iterations)
     lines = [f"scenario {scenario} on {result['hardware']}"]
     for case in result["cases"]:
@@ -86,30 +84,30 @@ def plan_cmd(
     try:
         spec = get_model(model)
     except ValueError:
-        _fail(f"--model {model!r}: unknown; choose one of: {', '.join(model_names())} or a config.json path")
+        fail(f"--model {model!r}: unknown; choose one of: {', '.join(model_names())} or a config.json path")
     try:
         hw = get_hardware(gpu_type)
     except ValueError:
-        _fail(f"--gpu-type {gpu_type!r}: unknown; choose one of: {', '.join(hardware_names())}")
+        fail(f"--gpu-type {gpu_type!r}: unknown; choose one of: {', '.join(hardware_names())}")
     for name, value in (("--gpus", gpus), ("--top", top), ("--prompts", prompts),
                         ("--samples-per-prompt", samples_per_prompt), ("--prompt-len", prompt_len),
                         ("--response-len", response_len)):  # fmt: skip
         if value <= 0:
-            _fail(f"{name} {value}: must be > 0")
+            fail(f"{name} {value}: must be > 0")
     if algorithm not in ("ppo", "grpo"):
-        _fail(f"--algorithm {algorithm!r}: unknown; choose ppo or grpo")
+        fail(f"--algorithm {algorithm!r}: unknown; choose ppo or grpo")
     crit = None
     if critic is not None:
         try:
             crit = get_model(critic)
         except ValueError:
-            _fail(f"--critic-model {critic!r}: unknown; choose one of: {', '.join(model_names())}")
+            fail(f"--critic-model {critic!r}: unknown; choose one of: {', '.join(model_names())}")
     resp = LengthDist("lognormal", max_len=response_len, median=response_len / 4, sigma=0.8)
     if lengths_file is not None:
         try:
             resp = LengthDist.from_file(lengths_file, max_len=response_len)
         except (OSError, ValueError) as err:
-            _fail(f"--response-lengths {str(lengths_file)!r}: {err}")
+            fail(f"--response-lengths {str(lengths_file)!r}: {err}")
     wl = Workload(
         prompts=prompts, samples_per_prompt=samples_per_prompt, algorithm=algorithm, reward_model=algorithm == "ppo",
         prompt_len=LengthDist("lognormal", max_len=prompt_len, median=prompt_len / 4, sigma=0.5), response_len=resp,
@@ -119,12 +117,12 @@ def plan_cmd(
         try:
             parse_policy(pol)
         except ValueError:
-            _fail(f"--policies {pol!r}: unknown; use sequential or a '+' join of fused, async, elastic")
+            fail(f"--policies {pol!r}: unknown; use sequential or a '+' join of fused, async, elastic")
     try:
         problem = Problem.build(spec, hw, gpus, wl, critic=crit)
         cands, stats = search(problem, policies=pols, top=top)
     except ValueError as err:
-        _fail(str(err))
+        fail(str(err))
     data = {
         "model": spec.name, "gpus": gpus, "gpu_type": hw.name, "algorithm": algorithm,
         "workload": {"prompts": prompts, "samples_per_prompt": samples_per_prompt,
@@ -154,7 +152,7 @@ def _write_plan_config(path: Path, problem: Problem, cand) -> None:
     try:
         load_config("default", base=tree)
     except ConfigError as err:
-        _fail(f"--write-config: this plan is not a valid fuseflow config: {err}")
+        fail(f"--write-config: this plan is not a valid fuseflow config: {err}")
     path.parent.mkdir(parents=True, exist_ok=True)
     header = "".join(f"# {line}\n" for line in notes)
     path.write_text(header + yaml.safe_dump(tree, sort_keys=False))
@@ -173,7 +171,7 @@ def calibrate_cmd(
         get_hardware(hardware)
         result = calibrate(run_dir, hardware, predict)
     except ValueError as err:
-        _fail(str(err))
+        fail(str(err))
     med = result["median_step_seconds"]
     text = (f"fitted {result['fitted_efficiency']}\n"
             f"median step: measured {med['measured']:.3f}s, predicted {med['predicted']:.3f}s "
