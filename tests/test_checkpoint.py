@@ -62,8 +62,8 @@ def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     m = _Tiny()
     opt = _trained_opt(m)
     assert latest_checkpoint(tmp_path) is None
-    p1 = save_checkpoint(tmp_path, 1, {}, {}, {"cursor": 5}, writers=_writers(m, opt))
-    p2 = save_checkpoint(tmp_path, 2, {}, {}, {"cursor": 9}, writers=_writers(m, opt))
+    p1 = save_checkpoint(tmp_path, 1, {"cursor": 5}, _writers(m, opt))
+    p2 = save_checkpoint(tmp_path, 2, {"cursor": 9}, _writers(m, opt))
     assert latest_checkpoint(tmp_path) == p2 and find_checkpoint(tmp_path, 1) == p1
     assert read_state(p2)["cursor"] == 9 and read_state(p1)["step"] == 1
     for name in ("actor/model.safetensors", "optim_actor.safetensors", "optim_actor.json", "rng.safetensors"):
@@ -79,12 +79,12 @@ def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
 def test_failing_writer_leaves_the_previous_checkpoint_latest(tmp_path):
     m = _Tiny()
     opt = _trained_opt(m)
-    p1 = save_checkpoint(tmp_path, 1, {}, {}, {"cursor": 5}, writers=_writers(m, opt))
+    p1 = save_checkpoint(tmp_path, 1, {"cursor": 5}, _writers(m, opt))
 
     def crash(d):
         (d / "partial.bin").write_bytes(b"x")
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, 2, {}, {}, {"cursor": 9}, writers=[*_writers(m, opt), crash])
+        save_checkpoint(tmp_path, 2, {"cursor": 9}, [*_writers(m, opt), crash])
     assert latest_checkpoint(tmp_path) == p1 and not (tmp_path / "checkpoints" / "step_2").exists()

@@ -66,14 +66,12 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def save_checkpoint(run_dir: Path, step: int, models: dict, optimizers: dict[str, torch.optim.Optimizer],
-                    state: dict, tokenizer=None, writers: list | None = None) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: dict, writers: list) -> Path:
     """Write ``checkpoints/step_{step}`` atomically and point ``checkpoints/latest`` at it.
 
-    ``models`` maps a name to an object with ``save_pretrained(dir)`` (our HF-compatible models);
-    ``tokenizer``, when given, is saved beside the actor so the checkpoint is a complete HF model.
-    ``writers`` are callables ``writer(dir)`` that write their own part into the checkpoint
-    directory before it is renamed into place (worker groups saving from their own processes).
+    ``writers`` are callables ``writer(dir)`` that write their own part (a model, its optimizer,
+    the tokenizer) into the checkpoint directory before it is renamed into place, so worker groups
+    save from their own processes; ``state`` (step, data cursor, ...) goes to ``state.json``.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -82,13 +80,7 @@ def save_checkpoint(run_dir: Path, step: int, models: dict, optimizers: dict[str
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    for name, model in models.items():
-        model.save_pretrained(tmp / name)
-    if tokenizer is not None and "actor" in models:
-        tokenizer.save_pretrained(str(tmp / "actor"))
-    for name, opt in optimizers.items():
-        save_optimizer_state(opt.state_dict(), tmp / f"optim_{name}")
-    for write in writers or []:
+    for write in writers:
         write(tmp)
     rng_tensors, rng_plain = rng_state()
     save_file(rng_tensors, str(tmp / "rng.safetensors"))

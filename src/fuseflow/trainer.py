@@ -388,7 +388,7 @@ class RLTrainer:
             state["lagrange"] = self.lagrange.value
         writers = [lambda d, g=g: g.save(str(d)) for g in self.trainable_groups()]
         writers += [self.strategy.save] if self.strategy else []
-        path = save_checkpoint(self.run_dir, step, {}, {}, state, writers=writers)
+        path = save_checkpoint(self.run_dir, step, state, writers)
         self.tracer.save()
         return path
 
