@@ -82,6 +82,19 @@ def test_fused_pipeline_bound_reproduces_rlhfuse_instances():
     assert fused_pipeline_bound(8, 4, 8, 4, 15, 12) == pytest.approx(225)  # A's own 1F1B binds
 
 
+def test_fused_pipeline_bound_agrees_with_the_schedulers_bound():
+    # The cost model keeps a float copy of the solver's integer bound; pin them together.
+    from fuseflow.schedule.pipeline import PipelineInstance, lower_bound
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        p_a = int(rng.choice([1, 2, 4, 6, 8, 12, 16]))
+        p_c = int(rng.choice([d for d in range(1, p_a + 1) if p_a % d == 0]))
+        m_a, m_c, f_a, f_c = (int(x) for x in rng.integers(1, 40, 4))
+        want = lower_bound(PipelineInstance(p_a, p_c, m_a, m_c, f_a, f_c, 1.0, 1.0)).value
+        assert fused_pipeline_bound(p_a, p_c, m_a, m_c, 3 * f_a, 3 * f_c) == pytest.approx(want), (p_a, p_c)
+
+
 def test_fused_training_prices_the_pipeline_bound_and_never_loses():
     # 32 samples, 4 per micro-batch: 8 micro-batches of one slot on 4 stages, one step.
     a = train_cost(TOY, HW, Layout(pp=4), np.full(32, 100.0), mb_tokens=400)

@@ -274,6 +274,12 @@ def fused_pipeline_bound(p_a: int, p_c: int, m_a: float, m_c: float, slot_a: flo
     1F1B critical path (m + p - 1) x slot, a device's work m_a slot_a + m_c slot_c, and
     per device the earliest arrival + that work + the shortest backward tail. Example:
     (8, 8, 32, 32, 15, 6) gives 702, the bound of RLHFuse's "8,8,32,32,5,2,...".
+
+    This is `schedule.pipeline.bounds.lower_bound` for float times: that one takes a
+    `PipelineInstance` of positive integer micro-batch counts and forward units (and rounds
+    the average up), while here slots are seconds and counts come from division. Importing
+    the scheduling layer would also break the simulator's lowest-layer rule, so a test
+    checks the two agree on integer instances instead.
     """
     f_a, f_c = slot_a / 3.0, slot_c / 3.0
     work = m_a * slot_a + m_c * slot_c
