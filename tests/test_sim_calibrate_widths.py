@@ -75,7 +75,8 @@ def test_random_lengths_match_the_workers(seed):
 @pytest.mark.parametrize("kwargs,needle", [
     ({"budget": 0, "max_rows": 4}, "budget must be >= 1"),
     ({"budget": 10, "max_rows": 0}, "max_rows must be >= 1"),
-    ({"budget": 10, "max_rows": 4, "prompt": np.array([9, 0])}, "prompt must hold"),
+    ({"budget": 10, "max_rows": 4, "prompt": np.array([9, 0])}, "row 0 has prompt 9 of 3 tokens"),
+    ({"budget": 10, "max_rows": 4, "prompt": np.array([1])}, "one length per row"),
 ])  # fmt: skip
 def test_bad_arguments_are_named(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -153,8 +153,13 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.n
     head = np.zeros_like(total) if prompt is None else np.asarray(prompt, dtype=int)  # (N,)
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    if head.shape != total.shape or (head < 0).any() or (head > total).any():
-        raise ValueError("prompt must hold one length per row, each between 0 and that row's length")
+    if head.shape != total.shape:
+        raise ValueError(f"prompt must hold one length per row: shape {head.shape}, lengths {total.shape}")
+    bad = np.flatnonzero((head < 0) | (head > total))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"prompt must hold lengths between 0 and the row's length: row {i} has prompt "
+                         f"{int(head[i])} of {int(total[i])} tokens")  # fmt: skip
     batch = _mask_batch(head, total - head)
     widths = np.empty(len(total), dtype=float)
     for chunk in length_sorted_chunks(batch, budget):
