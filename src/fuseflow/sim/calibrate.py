@@ -18,10 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
-
-from fuseflow.data.batch import Batch, length_sorted_chunks, trim_padding
 
 from .costmodel import DecodeModel, Layout, infer_cost, train_cost
 from .generation import Seq, run_replica
@@ -140,17 +137,21 @@ def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
 def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.ndarray | None = None) -> np.ndarray:
     """(N,) the width each row is computed at under length-sorted, trimmed micro-batches.
 
-    The groups are the workers' own: `fuseflow.data.batch.length_sorted_chunks` (shortest
-    first, a group closes when rows x (longest prompt + longest response) would pass
-    `budget`), each cut into pieces of at most `max_rows` rows as training's micro-batches
-    are, and each piece trimmed by `trim_padding`; a row costs its piece's trimmed width.
-    `lengths` are real tokens per row; `prompt` (default 0) is the prompt part of each,
-    since prompt and response are padded separately.
+    The same grouping as the workers' (`fuseflow.data.batch.length_sorted_chunks`: rows
+    shortest first, a group closes when rows x (longest prompt + longest response) would pass
+    `budget`), each group cut into pieces of at most `max_rows` rows as training's micro-batches
+    are, each piece trimmed to its longest prompt plus longest response (`trim_padding`); a row
+    costs its piece's width. Written again here because the simulator is the lowest layer and
+    may not import the data layer; `tests/test_sim_calibrate_widths.py` pins it to the workers'
+    functions on random batches. `lengths` are real tokens per row; `prompt` (default 0) is the
+    prompt part of each, since prompt and response are padded separately.
     Example: lengths [6, 3, 3, 2], budget 12, max_rows 8 -> widths [6, 3, 3, 3]
     ([2, 3, 3] fits at width 3, 4 x 6 = 24 does not).
     """
     total = np.asarray(lengths, dtype=int)  # (N,)
     head = np.zeros_like(total) if prompt is None else np.asarray(prompt, dtype=int)  # (N,)
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if head.shape != total.shape:
@@ -160,27 +161,26 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.n
         i = int(bad[0])
         raise ValueError(f"prompt must hold lengths between 0 and the row's length: row {i} has prompt "
                          f"{int(head[i])} of {int(total[i])} tokens")  # fmt: skip
-    batch = _mask_batch(head, total - head)
+    tail = total - head  # (N,) response part
     widths = np.empty(len(total), dtype=float)
-    for chunk in length_sorted_chunks(batch, budget):
-        for i in range(0, len(chunk), max_rows):
-            rows = chunk[i : i + max_rows]
-            widths[rows] = trim_padding(batch.select(rows))["attention_mask"].shape[1]
+
+    def close(group: list[int]) -> None:
+        for k in range(0, len(group), max_rows):
+            rows = group[k : k + max_rows]
+            widths[rows] = int(head[rows].max()) + max(int(tail[rows].max()), 1)  # trim keeps one response column
+
+    group: list[int] = []
+    lp = lr = 0
+    for i in sorted(range(len(total)), key=lambda j: (int(total[j]), j)):
+        p, r = max(lp, int(head[i])), max(lr, int(tail[i]))
+        if group and (len(group) + 1) * (p + r) > budget:
+            close(group)
+            group, p, r = [], int(head[i]), int(tail[i])
+        group.append(i)
+        lp, lr = p, r
+    if group:
+        close(group)
     return widths
-
-
-def _mask_batch(prompt: np.ndarray, response: np.ndarray) -> Batch:
-    """A batch holding only the masks of rows with these prompt and response lengths.
-
-    The masks are all the grouping and trimming read, so the workers' functions run on them
-    unchanged; the layout is `Batch`'s (prompt left-padded, response right-padded).
-    """
-    tp, tr = int(prompt.max(initial=0)), max(int(response.max(initial=0)), 1)
-    p, r = torch.as_tensor(prompt)[:, None], torch.as_tensor(response)[:, None]
-    prompt_mask = torch.arange(tp)[None, :] >= tp - p  # (N, Tp)
-    resp_mask = (torch.arange(tr)[None, :] < r).long()  # (N, Tr)
-    attn = torch.cat([prompt_mask.long(), resp_mask], dim=1)  # (N, Tp+Tr)
-    return Batch({"attention_mask": attn, "response_mask": resp_mask.float()})
 
 
 @dataclass(frozen=True)
