@@ -63,3 +63,10 @@ def test_big_files_are_keyed_by_size_and_mtime(tmp_path, monkeypatch):
     st = data.stat()
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert sft_cache_dir(load_config("default", args)) != key
+
+
+def test_builtin_tasks_keep_their_key_form(tmp_path):
+    # No files to hash: the key is the config digest, seed and version alone, as before file
+    # hashing existed, so caches trained by earlier versions are still found.
+    cfg = load_config("default", [f"cache_dir={tmp_path}"])
+    assert sft_cache_dir(cfg).name == f"{cfg.digest('task', 'model', 'sft')}-s0-v{sft.SFT_VERSION}"

@@ -52,7 +52,9 @@ def sft_cache_dir(cfg: Config) -> Path:
     """Cache directory of the SFT model for ``cfg``: keyed by the config sections that shape it and by
     the files they name (``inputs_digest``), so an edited data file trains a new model instead of reusing
     the old one. ``reward.model`` is left out: SFT never reads the reward model."""
-    key = cfg.digest("task", "model", "sft") + f"-{inputs_digest(sft_inputs(cfg))}-s{cfg.seed}-v{SFT_VERSION}"
+    inputs = sft_inputs(cfg)  # none for the built-in tasks, whose keys (and caches) stay as they were
+    files = f"-{inputs_digest(inputs)}" if inputs else ""
+    key = cfg.digest("task", "model", "sft") + f"{files}-s{cfg.seed}-v{SFT_VERSION}"
     return Path(cfg.cache_dir).expanduser() / "sft" / key
 
 
