@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuseflow.data.batch import Batch, length_sorted_microbatches, scatter_rows, trim_padding
+from fuseflow.data.batch import Batch, length_sorted_chunks, scatter_rows, trim_padding
 from fuseflow.rollout.base import Sample
 from fuseflow.schedule.microbatch import TokenBudgetBatcher, sample_tokens, stream_microbatches
 
@@ -72,11 +72,16 @@ def test_trim_padding_hand_case():
     assert t["scores"].tolist() == [0.0, 1.0] and t.meta["uid"] == [0, 1]
 
 
+def sorted_microbatches(b: Batch, budget: int) -> list[tuple[list[int], Batch]]:
+    """(indices, trimmed micro-batch) pairs, as the workers build them."""
+    return [(idx, trim_padding(b.select(idx))) for idx in length_sorted_chunks(b, budget)]
+
+
 def test_length_sorted_microbatches_cover_rows_once_within_budget():
     # Long-tailed like `sort`: most samples short, every tenth long.
     lens = [(30, 35) if i % 10 == 9 else (2 + i % 6, 1 + i % 5) for i in range(40)]
     b = _batch([[3] * p for p, _ in lens], [[4] * r for _, r in lens])
-    parts = length_sorted_microbatches(b, budget=300)
+    parts = sorted_microbatches(b, budget=300)
     flat = [i for idx, _ in parts for i in idx]
     assert sorted(flat) == list(range(40))
     totals = [lens[i][0] + lens[i][1] for i in flat]
@@ -87,7 +92,7 @@ def test_length_sorted_microbatches_cover_rows_once_within_budget():
     # Far fewer padded tokens than the whole batch at its full width (40 x 65 = 2600).
     assert sum(mb["input_ids"].numel() for _, mb in parts) < 0.5 * b["input_ids"].numel()
     with pytest.raises(ValueError, match="budget"):
-        length_sorted_microbatches(b, 0)
+        sorted_microbatches(b, 0)
 
 
 def test_sorted_trimmed_inference_equals_full_batch_logprobs():
@@ -104,7 +109,7 @@ def test_sorted_trimmed_inference_equals_full_batch_logprobs():
     b = _batch(prompts, responses)
     with torch.no_grad():
         full = response_logprobs(model, b, 1.0)  # (B, Tr)
-        parts = [(idx, response_logprobs(model, mb, 1.0)) for idx, mb in length_sorted_microbatches(b, 400)]
+        parts = [(idx, response_logprobs(model, mb, 1.0)) for idx, mb in sorted_microbatches(b, 400)]
     assert len(parts) > 1
     got = scatter_rows(parts, len(b), b["response_mask"].shape[1])
     mask = b["response_mask"].bool()

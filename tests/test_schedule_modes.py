@@ -163,6 +163,11 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     assert set(out["modes"]) == {"sequential", "fused"}
     assert out["modes"]["sequential"]["speedup_vs_sequential"] == 1.0
     assert out["modes"]["sequential"]["speedup_vs_sequential_runs"] == [1.0, 1.0]
+    # Each repeat's ratio pairs fused with the sequential run of the same repeat.
+    seq, fused = out["modes"]["sequential"], out["modes"]["fused"]
+    assert fused["speedup_vs_sequential_runs"] == [
+        pytest.approx(f / s, rel=1e-2) for f, s in zip(fused["samples_per_second_runs"], seq["samples_per_second_runs"],
+                                                       strict=True)]
     for r in out["modes"].values():  # the reported run is the lower median of the repeats
         assert len(r["samples_per_second_runs"]) == 2
         assert round(r["samples_per_second"], 2) == min(r["samples_per_second_runs"])

@@ -343,14 +343,15 @@ class RLTrainer:
     def rollout_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
+        prompt_lengths = batch["attention_mask"].sum(-1) - lengths  # (B,)
         kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k3")
         diff = ((batch["behavior_logprobs"] - batch["old_logprobs"]).abs() * mask).max()
         out = {"reward/mean": float(torch.nan_to_num(batch["scores"]).mean()),
                "rollout/response_length_mean": float(lengths.mean()),
                "rollout/response_length_max": float(lengths.max()),
                "rollout/response_length_min": float(lengths.min()),
-               "rollout/prompt_length_mean": float(batch["attention_mask"].sum(-1).float().mean() - lengths.mean()),
-               "rollout/prompt_length_max": float((batch["attention_mask"].sum(-1) - lengths).max()),
+               "rollout/prompt_length_mean": float(prompt_lengths.float().mean()),
+               "rollout/prompt_length_max": float(prompt_lengths.max()),
                "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}

@@ -188,15 +188,6 @@ def trim_padding(batch: Batch) -> Batch:
     return Batch(out, {k: list(v) for k, v in batch.meta.items()})
 
 
-def length_sorted_microbatches(batch: Batch, budget: int) -> list[tuple[list[int], Batch]]:
-    """Micro-batches of ``batch`` sorted by length, each within ``budget`` padded tokens after trimming.
-
-    Returns ``(indices, micro_batch)`` pairs; ``indices`` are the rows of ``batch`` in the micro-batch
-    (``length_sorted_chunks``), and each micro-batch is those rows with their padding trimmed.
-    """
-    return [(idx, trim_padding(batch.select(idx))) for idx in length_sorted_chunks(batch, budget)]
-
-
 def length_sorted_chunks(batch: Batch, budget: int) -> list[list[int]]:
     """Row indices of ``batch`` sorted by length and cut so each group fits ``budget`` padded tokens.
 

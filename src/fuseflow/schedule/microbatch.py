@@ -9,8 +9,8 @@ and batch-at-once inference see the same micro-batches for the same arrival orde
 
 Padding is most of the cost on long-tailed tasks: a ``Batch`` is as wide as its longest
 prompt plus its longest response, and on ``sort`` that is about 3.8x the real tokens.
-``fuseflow.data.batch.length_sorted_microbatches`` sorts a whole batch by length, cuts it by the
-budget and trims each micro-batch to its own widths (about 1.4x real tokens on ``sort``);
+``fuseflow.data.batch.length_sorted_chunks`` sorts a whole batch by length and cuts it by the
+budget, and ``trim_padding`` trims each micro-batch to its own widths (about 1.4x real tokens on ``sort``);
 ``fuseflow.data.batch.scatter_rows`` puts the per-sample outputs back in batch order. Streamed samples need no sorting: short
 ones finish first, so arrival order is already roughly by length.
 """

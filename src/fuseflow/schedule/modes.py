@@ -74,6 +74,12 @@ class Generated:
     rows: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # field -> uid -> (Tr_i,) or ()
     migrated: int = 0
 
+    def merge(self, results: list[Future]) -> None:
+        """Add the per-uid rows of finished inference tasks (``Strategy._infer`` results)."""
+        for fut in results:
+            for name, by_uid in fut.result().items():
+                self.rows.setdefault(name, {}).update(by_uid)
+
 
 class Strategy:
     """Runs make_experience for one trainer in the configured mode (see the module docstring)."""
@@ -111,14 +117,14 @@ class Strategy:
             gen = self._generate(step, self.t.requests_for(step, 0, t.cfg.trainer.prompts_per_step, 0),
                                  stream=self.stages if s.fused else (), after=self.stages, foreground=True)
         self._set_weights(step - 1)
-        if s.asynchronous:
-            # Old log-probs and values need the just-trained models, so they run after the previous
-            # step's training; running them here, on both workers and before the next step's
-            # generation starts, keeps them off the critical path's single controller thread and
-            # lets that generation overlap this step's training instead of this inference.
-            self._complete(step, gen)
-            if step < t.cfg.trainer.steps:
-                self._start_prefetch(step + 1)
+        # Async: old log-probs and values need the just-trained models, so they run after the
+        # previous step's training; running them here, on both workers and before the next step's
+        # generation starts, keeps them off the critical path's single controller thread and lets
+        # that generation overlap this step's training instead of this inference. Otherwise every
+        # stage already ran during generation (a prefetch restored into a non-async mode aside).
+        self._complete(step, gen)
+        if s.asynchronous and step < t.cfg.trainer.steps:
+            self._start_prefetch(step + 1)
         batch, metrics = self._assemble(step, gen)
         if s.asynchronous:
             versions = batch.meta["policy_version"]
@@ -219,9 +225,7 @@ class Strategy:
         done.sort(key=lambda x: x.uid)
         gen = Generated(done, [prompt_of[x.uid] for x in done],
                         [decode_response(self.t.tokenizer, x.response_ids) for x in done], migrated=migrated)
-        for fut in results:
-            for name, by_uid in fut.result().items():
-                gen.rows.setdefault(name, {}).update(by_uid)
+        gen.merge(results)
         return gen
 
     def _complete(self, step: int, gen: Generated) -> None:
@@ -236,9 +240,7 @@ class Strategy:
         tasks.closed.set()
         for th in self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks):
             th.join()
-        for fut in results:
-            for name, by_uid in fut.result().items():
-                gen.rows.setdefault(name, {}).update(by_uid)
+        gen.merge(results)
 
     def _help(self, step: int, tasks: TaskQueue) -> bool:
         t0 = time.perf_counter()
@@ -297,15 +299,9 @@ class Strategy:
 
     # ------------------------------------------------------------------ assembly
     def _assemble(self, step: int, gen: Generated) -> tuple[Batch, dict[str, float]]:
-        """The step's ``Batch`` in sequential order; stages not run yet run now on the whole batch."""
+        """The step's ``Batch`` in sequential order, from samples whose every stage has run."""
         t = self.t
         uids = [x.uid for x in gen.samples]
-        missing = [name for name in self.stages if _field_of(name) not in gen.rows]
-        if missing:  # async: old log-probs and values need the current (just trained) models
-            prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
-            with t.tracer.span("inference", step, track=self.infer_track):
-                for k, v in self._infer(step, gen.samples, tuple(missing), prompt_of).items():
-                    gen.rows.setdefault(k, {}).update(v)
         per_sample = {k: torch.stack([gen.rows[k][u] for u in uids]) for k in
                       ("scores", "correct", "fn_scores", "rm_scores", "costs") if k in gen.rows}
         batch = t.to_batch(gen.samples, gen.prompts, gen.texts, per_sample)
@@ -343,7 +339,7 @@ class Strategy:
             # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
             # threads (verl trains each model on all devices, one model after the other).
             own = torch.get_num_threads()
-            torch.set_num_threads(min(own * len(self.pool), _cores()))  # never more threads than cores
+            torch.set_num_threads(min(own * len(self.pool), available_cores()))  # never more threads than cores
             try:
                 return self.t.overlap(step, updates)
             finally:
@@ -419,7 +415,7 @@ class Strategy:
             self.prefetch = None
 
 
-def _cores() -> int:
+def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

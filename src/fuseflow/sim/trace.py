@@ -48,12 +48,7 @@ def write_trace(events: list[TraceEvent], path: str | Path) -> Path:
 
 def write_gantt(events: list[TraceEvent], path: str | Path, title: str = "", max_tracks: int = 40) -> Path:
     """A Gantt chart: one row per (set, track); rollout replicas beyond `max_tracks` rows are merged."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from fuseflow.telemetry.plots import save_figure
+    from fuseflow.telemetry.plots import plt, save_figure  # importing plots selects the Agg backend
 
     rows: dict[tuple[str, str], int] = {}
     per_lane: dict[str, int] = {}

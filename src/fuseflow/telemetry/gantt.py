@@ -148,12 +148,7 @@ def trace_step_metrics(trace: Trace, step: int) -> dict[str, float]:
 # -------------------------------------------------------------------------------------- plot
 def plot_gantt(trace: Trace, out: str | Path, steps: Sequence[int] | None = None, title: str | None = None) -> Path:
     """Write a Gantt PNG: one row per track, bars coloured by span name, ticks for sample finishes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .plots import save_figure
+    from .plots import plt, save_figure  # importing plots selects the Agg backend
 
     keep = set(steps) if steps is not None else None
     spans = [s for s in trace.spans if keep is None or s.step in keep]
