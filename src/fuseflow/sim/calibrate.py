@@ -123,15 +123,21 @@ def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
     token count, which are the two quantities the decode cost depends on most.
     """
     n = max(rec.samples, 1)
-    resp = np.full(n, rec.response_mean, dtype=float)
-    if n > 1:
-        resp[:] = max(1.0, (n * rec.response_mean - rec.response_max) / (n - 1))
-        resp[0] = rec.response_max
-    prompt = np.full(n, max(1.0, rec.prompt_mean))
+    resp = _one_long(n, rec.response_mean, rec.response_max)
     if n > 1 and rec.prompt_max > rec.prompt_mean:  # the same split for prompts, when the max is logged
-        prompt[:] = max(1.0, (n * rec.prompt_mean - rec.prompt_max) / (n - 1))
-        prompt[0] = rec.prompt_max
+        prompt = _one_long(n, rec.prompt_mean, rec.prompt_max)
+    else:
+        prompt = np.full(n, max(1.0, rec.prompt_mean))
     return np.round(prompt).astype(int), np.round(resp).astype(int)
+
+
+def _one_long(n: int, mean: float, longest: float) -> np.ndarray:
+    """(n,) lengths with mean `mean`: one row at `longest`, the others sharing the rest (at least 1)."""
+    out = np.full(n, mean, dtype=float)
+    if n > 1:
+        out[:] = max(1.0, (n * mean - longest) / (n - 1))
+        out[0] = longest
+    return out
 
 
 def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.ndarray | None = None) -> np.ndarray:
@@ -199,7 +205,10 @@ class StepShapes:
     # Decode workload, (context at start, response tokens) per row; `Seq`s are built per pricing
     # because the decode simulation advances them in place.
     decode: tuple[tuple[int, int], ...]
-    samples: int
+
+    @property
+    def samples(self) -> int:
+        return len(self.seq)
 
 
 def step_shapes(run: RunData, rec: StepRecord) -> StepShapes:
@@ -225,7 +234,7 @@ def step_shapes(run: RunData, rec: StepRecord) -> StepShapes:
     # The old sampler starts every row's KV context at the longest prompt; the engine at its own.
     decode = tuple((int(p_max) if run.padded_prompts else int(p), int(r))
                    for p, r in zip(prompt, resp, strict=True))  # fmt: skip
-    return StepShapes(seq, train_seq, mb_tokens, train_mb, mini, decode, n)
+    return StepShapes(seq, train_seq, mb_tokens, train_mb, mini, decode)
 
 
 def price_stages(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> dict[str, float]:

@@ -282,7 +282,7 @@ class _Run:
         ch = choose_workers(p.actor, p.hw, make_seqs(batch), batch.predicted_lens.astype(float), p.gpus,
                             float(batch.prompt_lens.max()), p.workload.response_len.max_len,
                             self.plan.set_of("actor").gpus, self.pol.slowdown_budget, self.rest_seconds(costs),
-                            None if batch.predicted_key is None else batch.predicted_key.astype(float))  # fmt: skip
+                            batch.predicted_key.astype(float))  # fmt: skip
         dm = ch.decode
         runs = simulate_generation(dm, ch.assignment, ch.cap, t0 + ch.startup, share_prefix=True)
         tl: list = []

@@ -42,7 +42,7 @@ def _pool_size(gpus: int, mini: int, per_node: int) -> int:
 
 
 def _pool_name(roles: tuple[str, ...]) -> str:
-    return "_".join(CONFIG_ROLE[r] for r in roles if r in CONFIG_ROLE)
+    return "_".join(CONFIG_ROLE[r] for r in roles)  # callers pass config roles only
 
 
 def plan_config_tree(problem: Problem, cand) -> tuple[dict, list[str]]:

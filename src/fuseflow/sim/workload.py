@@ -103,7 +103,7 @@ class StepBatch:
     response_lens: np.ndarray
     predicted_lens: np.ndarray
     group: np.ndarray
-    predicted_key: np.ndarray | None = None  # None: equal to predicted_lens
+    predicted_key: np.ndarray
 
     @property
     def n(self) -> int:
