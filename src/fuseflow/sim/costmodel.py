@@ -85,6 +85,10 @@ class StageCost:
     parts: dict[str, float] = field(default_factory=dict)
     bubble: float = 0.0  # pipeline-idle seconds inside `seconds` (what intra-stage fusion can fill)
     slot: float = 0.0  # seconds of one (stage, micro-batch) slot
+    # Training only (0 elsewhere): recorded by `train_cost` so that `fused_train_seconds` can
+    # reuse them instead of dividing them back out of the float totals above.
+    steps: int = 0  # optimizer steps (mini-batches x epochs)
+    micro_batches: int = 0  # micro-batches per optimizer step on each pipeline (DP rank)
 
 
 # ------------------------------------------------------------------------ links
@@ -225,7 +229,7 @@ def train_cost(
         "pp_comm": steps * m * pp_comm, "zero3_comm": steps * m * zero3_exposed,
         "bubble": steps * (lay.pp - 1) * slot, "dp_comm": steps * grad_sync, "optimizer": steps * opt_step,
     }  # fmt: skip
-    return StageCost(total, parts, bubble=parts["bubble"], slot=slot)
+    return StageCost(total, parts, bubble=parts["bubble"], slot=slot, steps=steps, micro_batches=m)
 
 
 def infer_cost(
@@ -300,22 +304,24 @@ def fused_train_seconds(a: StageCost, c: StageCost, pp_a: int, pp_c: int) -> flo
     bound needs one stage count to divide the other (the deeper pipeline plays A); other
     shapes keep the bidirectional-pipeline closed form (Chimera, Li & Hoefler SC'21):
     (p-2)/2 idle slots per pipeline instead of 1F1B's p-1.
+    `a` and `c` are what `train_cost` returns: the optimizer steps and micro-batches per
+    step it records fix the shape of each fused step (no division back out of the totals).
     """
     if pp_a < 2 or pp_c < 2:
         return a.seconds + c.seconds
-    steps_a = a.bubble / ((pp_a - 1) * a.slot) if a.slot else 0.0
-    steps_c = c.bubble / ((pp_c - 1) * c.slot) if c.slot else 0.0
+    for name, cost in (("a", a), ("c", c)):
+        if cost.bubble > 0 and cost.steps < 1:
+            raise ValueError(f"{name}.steps={cost.steps!r} with a pipeline bubble of {cost.bubble!r} s: "
+                             "pass the StageCost that train_cost returns, which records its optimizer steps")  # fmt: skip
     if pp_c > pp_a:
-        a, c, pp_a, pp_c, steps_a, steps_c = c, a, pp_c, pp_a, steps_c, steps_a
-    if pp_a % pp_c == 0 and steps_a > 0 and abs(steps_a - steps_c) < 1e-6 * steps_a:
+        a, c, pp_a, pp_c = c, a, pp_c, pp_a
+    if pp_a % pp_c == 0 and a.steps > 0 and a.steps == c.steps:
         rest_a = a.parts.get("dp_comm", 0.0) + a.parts.get("optimizer", 0.0)
         rest_c = c.parts.get("dp_comm", 0.0) + c.parts.get("optimizer", 0.0)
-        m_a = (a.seconds - rest_a) / (steps_a * a.slot) - pp_a + 1  # micro-batches per step
-        m_c = (c.seconds - rest_c) / (steps_c * c.slot) - pp_c + 1
-        step = fused_pipeline_bound(pp_a, pp_c, m_a, m_c, a.slot, c.slot)
-        return min(steps_a * step + rest_a + rest_c, a.seconds + c.seconds)
+        step = fused_pipeline_bound(pp_a, pp_c, a.micro_batches, c.micro_batches, a.slot, c.slot)
+        return min(a.steps * step + rest_a + rest_c, a.seconds + c.seconds)
     busy = a.seconds - a.bubble + c.seconds - c.bubble
-    fused_bubble = 0.5 * (steps_a * max(pp_a - 2, 0) * a.slot + steps_c * max(pp_c - 2, 0) * c.slot)
+    fused_bubble = 0.5 * (a.steps * max(pp_a - 2, 0) * a.slot + c.steps * max(pp_c - 2, 0) * c.slot)
     return busy + fused_bubble
 
 
