@@ -264,3 +264,38 @@ def test_a_failing_side_by_side_update_reaches_the_controller(tmp_path, sft_cach
             tr.step(1)
     finally:
         tr.close()
+
+
+def test_a_dead_rollout_worker_fails_the_step_at_once(tmp_path, sft_cache, monkeypatch):
+    """A rollout thread that dies mid-generation ends the step with its error, naming the worker.
+
+    Before: the surviving worker kept polling for tasks, so the controller waited out the
+    step's timeout (600 s) and then reported only "rollout workers stopped", without the cause.
+    """
+    import time
+
+    from fuseflow.schedule import modes
+
+    monkeypatch.setattr(modes, "WAIT_S", 60.0)  # the old behaviour then fails the timing check below
+    cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=1", "trainer.eval_every=100",
+                               "trainer.save_every=100", f"cache_dir={sft_cache}", "schedule.mode=fused",
+                               "schedule.rollout_workers=2"])
+    tr = RLTrainer(cfg, tmp_path / "run", log=lambda *_: None)
+    engine = tr.strategy.pool.engines[0]
+    real_step, calls = engine.step, []
+
+    def dying_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("KV pool exhausted")
+        return real_step()
+
+    engine.step = dying_step
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="rollout worker 0 .*MemoryError: KV pool exhausted") as err:
+            tr.step(1)
+    finally:
+        tr.close()
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert time.perf_counter() - t0 < 30.0

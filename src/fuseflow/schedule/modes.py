@@ -191,6 +191,9 @@ class Strategy:
             try:
                 smp = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
             except queue.Empty:
+                if self.pool.errors:
+                    tasks.closed.set()  # the other workers finish what they hold and end
+                    self.pool.check_alive(step)
                 if helps and self._help(step, tasks):
                     continue
                 if helps:
@@ -222,6 +225,7 @@ class Strategy:
             pass
         for th in threads:
             th.join()
+        self.pool.check_alive(step)
         done.sort(key=lambda x: x.uid)
         gen = Generated(done, [prompt_of[x.uid] for x in done],
                         [decode_response(self.t.tokenizer, x.response_ids) for x in done], migrated=migrated)
@@ -240,6 +244,7 @@ class Strategy:
         tasks.closed.set()
         for th in self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks):
             th.join()
+        self.pool.check_alive(step)
         gen.merge(results)
 
     def _help(self, step: int, tasks: TaskQueue) -> bool:

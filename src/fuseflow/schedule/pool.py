@@ -99,6 +99,7 @@ class RolloutPool:
         for i, t in enumerate(self.tracks):
             tracer.name_track(t, f"rollout-{i}")
         self.migrated = 0
+        self.errors: dict[int, BaseException] = {}  # worker -> the error that ended its thread
         self._background: set[int] = set()  # native ids of running workers started in the background
         self._bg_lock = threading.Lock()
 
@@ -146,6 +147,8 @@ class RolloutPool:
                 self._background.add(tid)
         try:
             self._work(i, step, on_sample, tasks)
+        except BaseException as e:  # noqa: BLE001 - kept for the controller, which raises it (check_alive)
+            self.errors[i] = e
         finally:
             with self._bg_lock:
                 self._background.discard(tid)
@@ -165,6 +168,18 @@ class RolloutPool:
             t0 = time.perf_counter()
             if tasks.run_one(POLL_S):
                 self.tracer.record("inference", step, track, t0, time.perf_counter())
+
+    def check_alive(self, step: int) -> None:
+        """Raise the error of a worker whose thread died, naming the worker.
+
+        Why: the surviving workers keep polling for tasks, so waiting for samples alone would
+        hang until the step's timeout; the controller calls this while it waits.
+        """
+        if self.errors:
+            i = min(self.errors)
+            e = self.errors[i]
+            raise RuntimeError(f"step {step}: rollout worker {i} (trace track rollout-{i}) failed: "
+                               f"{type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ migration
     def pending(self) -> dict[int, list[PendingSample]]:
