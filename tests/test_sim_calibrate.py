@@ -87,6 +87,21 @@ def test_fit_builds_each_step_shape_once(tmp_path, monkeypatch):
     assert fitted.efficiency.train_mfu == pytest.approx(TRUE["train_mfu"], rel=0.15)
 
 
+def test_calibrate_builds_each_step_shape_once(tmp_path, monkeypatch):
+    # Both fits (all steps, even steps) and all predictions (all steps, odd steps) price
+    # the same steps: one shared build per step, where each use used to build its own.
+    fabricate(tmp_path, algorithm="grpo", steps=4)
+    calls = []
+    real = calibrate_mod.step_shapes
+    monkeypatch.setattr(calibrate_mod, "step_shapes", lambda r, rec: calls.append(rec.step) or real(r, rec))
+    out = calibrate(tmp_path, "cpu")
+    assert sorted(calls) == [0, 1, 2, 3]
+    assert "held_out" in out and out["steps"] == 4
+    run = load_run(tmp_path)
+    with pytest.raises(ValueError, match="one StepShapes per step record: got 1 for 4"):
+        fit(run, get_hardware("cpu"), shapes=[real(run, run.steps[0])])
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="missing config.yaml"):
         load_run(tmp_path)

@@ -302,11 +302,21 @@ def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 400, tol: flo
     return pts[int(np.argmin(vals))]
 
 
-def fit(run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None) -> HardwareSpec:
-    """The hardware spec with efficiency factors fitted to `recs` (default: every step)."""
+def fit(
+    run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None, shapes: list[StepShapes] | None = None,
+) -> HardwareSpec:  # fmt: skip
+    """The hardware spec with efficiency factors fitted to `recs` (default: every step).
+
+    `shapes` (one per record, as `step_shapes` builds them) lets a caller that also
+    predicts the same steps build each step's shapes once; by default they are built here.
+    """
     recs = recs or run.steps
     # Shapes do not depend on the factors: build them once, not on each of ~10^4 evaluations.
-    shaped = [(r, step_shapes(run, r)) for r in recs]
+    if shapes is None:
+        shapes = [step_shapes(run, r) for r in recs]
+    elif len(shapes) != len(recs):
+        raise ValueError(f"shapes must hold one StepShapes per step record: got {len(shapes)} for {len(recs)} records")
+    shaped = list(zip(recs, shapes, strict=True))
     names = list(FACTORS)
     lo = np.log([FACTORS[k][0] for k in names])
     hi = np.log([FACTORS[k][1] for k in names])
@@ -356,8 +366,11 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     """
     run = load_run(run_dir)
     base = get_hardware(hardware)
-    fitted = fit(run, base)
-    stages = [predict_stages(run, r, fitted) for r in run.steps]
+    # One build per step serves both fits and every prediction below (shapes do not
+    # depend on the factors); rebuilding them per use tripled the work outside the fit.
+    shapes = [step_shapes(run, r) for r in run.steps]
+    fitted = fit(run, base, shapes=shapes)
+    stages = [price_stages(run, sh, fitted) for sh in shapes]
     preds = [sum(st.values()) for st in stages]
     measured = [r.step_seconds for r in run.steps]
     med_pred, med_meas = float(np.median(preds)), float(np.median(measured))
@@ -375,8 +388,8 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
             out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
     if len(run.steps) >= 4:
         train_recs, test_recs = run.steps[0::2], run.steps[1::2]
-        held = fit(run, base, train_recs)
-        p = float(np.median([sum(predict_stages(run, r, held).values()) for r in test_recs]))
+        held = fit(run, base, train_recs, shapes[0::2])
+        p = float(np.median([sum(price_stages(run, sh, held).values()) for sh in shapes[1::2]]))
         m = float(np.median([r.step_seconds for r in test_recs]))
         out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,
                            "relative_error": (p - m) / m}  # fmt: skip
