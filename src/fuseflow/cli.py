@@ -91,9 +91,9 @@ def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
     """Train (or reuse from the cache) the SFT warm-start model for a config."""
     import shutil
 
+    from fuseflow.console import make_progress
     from fuseflow.data.tokenizer import load_tokenizer
     from fuseflow.models import resolve_device
-    from fuseflow.runner import make_progress
     from fuseflow.sft import ensure_sft_model
     from fuseflow.tasks import make_task
 
@@ -121,8 +121,8 @@ def train_rm(overrides: list[str] = OVERRIDES,
              output: Path = typer.Option(None, "--output", "-o",
                                          help="Reward-model directory (default: reward.model of the config).")) -> None:
     """Train a Bradley-Terry reward model on preference pairs (rm.data=FILE, or the synthetic `pref` task)."""
+    from fuseflow.console import make_progress
     from fuseflow.reward_model import train_reward_model
-    from fuseflow.runner import make_progress
 
     try:
         cfg = load_config(preset, overrides)

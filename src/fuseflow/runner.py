@@ -7,27 +7,15 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from fuseflow.checkpoint import latest_checkpoint
 from fuseflow.config import Config
+from fuseflow.console import make_progress
 from fuseflow.controller.group import WorkerFailure
 from fuseflow.telemetry.metrics import read_metrics
 from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
 from fuseflow.trainer import RLTrainer
-
-
-def make_progress(console: Console) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console, transient=False)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,

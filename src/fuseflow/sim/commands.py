@@ -13,8 +13,9 @@ from pathlib import Path
 
 import typer
 import yaml
+from rich.console import Console
 
-from fuseflow.console import fail
+from fuseflow.console import fail, make_progress
 
 from .hardware import get_hardware, hardware_names
 from .modelspec import get_model, model_names
@@ -52,7 +53,12 @@ def simulate_cmd(
         fail(f"--scenario {scenario!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
     if iterations < 1:
         fail(f"--iterations {iterations}: must be >= 1")
-    result = run_scenario(scenario, trace_dir, iterations)
+    # The bar goes to stderr, so `--json` output on stdout stays one parseable document.
+    with make_progress(Console(stderr=True)) as progress:
+        bar = progress.add_task(f"simulate {scenario}", total=None)
+        result = run_scenario(scenario, trace_dir, iterations,
+                              lambda done, total, case: progress.update(bar, completed=done, total=total,
+                                                                        description=f"simulate {scenario}: {case}"))
     lines = [f"scenario {scenario} on {result['hardware']}"]
     for case in result["cases"]:
         pols = ", ".join(f"{p}: {v['iteration_seconds']:.2f}s x{v['speedup_vs_sequential']:.2f} "

@@ -77,6 +77,22 @@ def verl_plan(problem: Problem, gen_tp: int = VERL_ROLLOUT_TP) -> Plan:
     return plan
 
 
+OnCase = Callable[[int, int, str], None]  # (cases done, cases in all, the case just finished)
+
+
+def _counter(on_case: OnCase | None, total: int) -> Callable[[str], None]:
+    """A per-case callback that counts cases for ``on_case`` (a no-op without one)."""
+    n = 0
+
+    def done(case: str) -> None:
+        nonlocal n
+        n += 1
+        if on_case is not None:
+            on_case(n, total, case)
+
+    return done
+
+
 def _trace(trace_dir: Path | None, stem: str, res: SimResult) -> None:
     if trace_dir is None:
         return
@@ -84,10 +100,11 @@ def _trace(trace_dir: Path | None, stem: str, res: SimResult) -> None:
     write_gantt(res.events, trace_dir / f"{stem}.png", title=stem)
 
 
-def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+def rlhfuse(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase | None = None) -> dict:
     """Sequential vs fused on the best colocated plan of each actor/critic pair and cap."""
     hw = get_hardware("H100")
     cases = []
+    done = _counter(on_case, len(RLHFUSE_PAIRS) * len(RLHFUSE_CAPS))
     for actor, critic in RLHFUSE_PAIRS:
         for cap in RLHFUSE_CAPS:
             wl = Workload(
@@ -108,6 +125,7 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
                 "gen_plus_inference_speedup": round(seq.gen_plus_inference_seconds / fus.gen_plus_inference_seconds, 4),
                 "end_to_end_speedup": round(seq.iteration_seconds / fus.iteration_seconds, 4),
             })  # fmt: skip
+            done(name)
     gi = [c["gen_plus_inference_speedup"] for c in cases]
     e2e = [c["end_to_end_speedup"] for c in cases]
     return {
@@ -118,12 +136,13 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1) -> dict:
     }  # fmt: skip
 
 
-def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+def hybridflow(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase | None = None) -> dict:
     """Best colocate / split / standalone plan per model size and GPU count (sequential)."""
     hw = get_hardware("A100")
     wl = Workload(prompts=1024, prompt_len=LengthDist("fixed", max_len=1024),
                   response_len=LengthDist("fixed", max_len=1024), algorithm="ppo")  # fmt: skip
     cases = []
+    done = _counter(on_case, len(HYBRIDFLOW_MODELS) * len(HYBRIDFLOW_GPUS))
     for model in HYBRIDFLOW_MODELS:
         for gpus in HYBRIDFLOW_GPUS:
             prob = Problem.build(get_model(model), hw, gpus, wl)
@@ -139,6 +158,7 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
             if not by_kind:
                 case.update(feasible=False, placements={}, policies={})
                 cases.append(case)
+                done(case["case"])
                 continue
             best_kind = min(by_kind, key=lambda k: by_kind[k]["iteration_seconds"])
             best = by_kind[best_kind]
@@ -150,11 +170,12 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1) -> dict:
             case.update(feasible=True, best_placement=best_kind, placements=by_kind,
                         policies={"sequential": _policy_row(seq, seq), "fused": _policy_row(fus, seq)})  # fmt: skip
             cases.append(case)
+            done(case["case"])
     return {"scenario": "hybridflow", "hardware": "16-128 x A100", "cases": cases,
             "summary": {c["case"]: c.get("best_placement", "infeasible") for c in cases}}  # fmt: skip
 
 
-def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
+def rlhfless(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase | None = None) -> dict:
     """Reserved sequential vs serverless elastic rollout (GPU-seconds and slowdown).
 
     Both run on verl's example layout (`verl_plan`): RLHFless is built on verl and
@@ -162,6 +183,7 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
     """
     hw = get_hardware("L40S")
     cases = []
+    done = _counter(on_case, 4)
     for model in ("qwen2.5-3b", "qwen2.5-7b"):
         for algo in ("grpo", "ppo"):
             prompts, k = (64, 8) if algo == "grpo" else (512, 1)
@@ -186,6 +208,7 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
                 "elastic_gpu_seconds_saving": round(1 - ela["gpu_seconds"] / seq["gpu_seconds"], 4),
                 "elastic_slowdown": round(ela["iteration_seconds"] / seq["iteration_seconds"] - 1, 4),
             })  # fmt: skip
+            done(name)
     return {"scenario": "rlhfless", "hardware": "16 x L40S", "cases": cases,
             "summary": {c["case"]: {"gpu_seconds_saving": c["elastic_gpu_seconds_saving"],
                                     "slowdown": c["elastic_slowdown"]} for c in cases},
@@ -195,8 +218,13 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1) -> dict:
 SCENARIOS: dict[str, Callable[..., dict]] = {"rlhfuse": rlhfuse, "hybridflow": hybridflow, "rlhfless": rlhfless}
 
 
-def run_scenario(name: str, trace_dir: str | Path | None = None, iterations: int = 1) -> dict:
-    """Run a shipped scenario by name and return its JSON-ready result."""
+def run_scenario(name: str, trace_dir: str | Path | None = None, iterations: int = 1,
+                 on_case: OnCase | None = None) -> dict:
+    """Run a shipped scenario by name and return its JSON-ready result.
+
+    ``on_case(done, total, case)`` is called after each case (the CLI's progress bar:
+    `hybridflow` takes 30-60 s).
+    """
     if name not in SCENARIOS:
         raise ValueError(f"scenario {name!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
-    return SCENARIOS[name](Path(trace_dir) if trace_dir else None, iterations)
+    return SCENARIOS[name](Path(trace_dir) if trace_dir else None, iterations, on_case)
