@@ -94,8 +94,10 @@ def test_calibrate_builds_each_step_shape_once(tmp_path, monkeypatch):
     calls = []
     real = calibrate_mod.step_shapes
     monkeypatch.setattr(calibrate_mod, "step_shapes", lambda r, rec: calls.append(rec.step) or real(r, rec))
-    out = calibrate(tmp_path, "cpu")
+    ticks = []
+    out = calibrate(tmp_path, "cpu", on_progress=lambda done, total: ticks.append((done, total)))
     assert sorted(calls) == [0, 1, 2, 3]
+    assert ticks == [(i, 2 * calibrate_mod.FIT_STARTS) for i in range(1, 2 * calibrate_mod.FIT_STARTS + 1)]
     assert "held_out" in out and out["steps"] == 4
     run = load_run(tmp_path)
     with pytest.raises(ValueError, match="one StepShapes per step record: got 1 for 4"):

@@ -134,7 +134,9 @@ def test_calibrate_command_on_synthetic_run(app, tmp_path):
     fabricate(tmp_path, steps=6)
     res = runner.invoke(app, ["sim", "calibrate", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
-    assert abs(json.loads(res.output)["median_step_seconds"]["relative_error"]) < 0.1
+    # The progress bar goes to stderr; stdout is the JSON alone.
+    assert abs(json.loads(res.stdout)["median_step_seconds"]["relative_error"]) < 0.1
+    assert "calibrate: fit starts" in res.stderr
 
 
 def test_scenario_reports_each_case_as_it_finishes():

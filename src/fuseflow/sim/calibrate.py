@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from .modelspec import ModelSpec, from_hf_config
 STAGES = ("generate", "reference", "values", "reward", "old_logprob", "advantages",
           "critic_update", "actor_update", "weight_sync")  # fmt: skip
 # Factors fitted, with the bounds that keep them physical.
+# Starts of the fit besides the spec's own factors (see `fit`): per-layer latency near zero, MFUs near one.
+ALT_STARTS = (("layer_latency_s", 1e-6), ("train_mfu", 0.9))
+FIT_STARTS = 1 + len(ALT_STARTS)
 FACTORS = {"train_mfu": (1e-4, 1.0), "infer_mfu": (1e-4, 1.0), "decode_mbu": (1e-3, 1.0),
            "layer_latency_s": (1e-7, 1e-1), "host_seconds_per_sample": (1e-7, 1.0)}  # fmt: skip
 
@@ -274,7 +278,12 @@ def _loss(recs: list[tuple[StepRecord, StepShapes]], run: RunData, hw: HardwareS
 
 
 def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 400, tol: float = 1e-10) -> np.ndarray:
-    """Minimise f from x0 with the Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink 0.5)."""
+    """Minimise f from x0 with the Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink 0.5).
+
+    Why not scipy.optimize: the loss is a discrete-event replay (no gradients, so torch's
+    optimisers do not apply), this is its only optimiser, and scipy is not otherwise a
+    dependency of fuseflow; the textbook simplex is 25 lines and tested on a known minimum.
+    """
     pts = [x0] + [x0 + step * e for e in np.eye(len(x0))]
     vals = [f(p) for p in pts]
     for _ in range(iters):
@@ -304,11 +313,13 @@ def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 400, tol: flo
 
 def fit(
     run: RunData, hw: HardwareSpec, recs: list[StepRecord] | None = None, shapes: list[StepShapes] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> HardwareSpec:  # fmt: skip
     """The hardware spec with efficiency factors fitted to `recs` (default: every step).
 
     `shapes` (one per record, as `step_shapes` builds them) lets a caller that also
     predicts the same steps build each step's shapes once; by default they are built here.
+    ``on_start`` is called after each of the `FIT_STARTS` starts (a progress bar's tick).
     """
     recs = recs or run.steps
     # Shapes do not depend on the factors: build them once, not on each of ~10^4 evaluations.
@@ -330,7 +341,7 @@ def fit(
     # basins, and one start fell into the worse one (log-loss 0.237 vs 0.109 on a default
     # run). Starts: the spec's own factors, per-layer latency near zero, MFUs near one.
     starts = [x0]
-    for key, value in (("layer_latency_s", 1e-6), ("train_mfu", 0.9)):
+    for key, value in ALT_STARTS:
         x = x0.copy()
         x[names.index(key)] = math.log(value)
         if key == "train_mfu":
@@ -341,6 +352,8 @@ def fit(
         x = nelder_mead(lambda x: _loss(shaped, run, spec(x)), start)
         x = nelder_mead(lambda x: _loss(shaped, run, spec(x)), x, step=0.1)  # restart: escapes early collapse
         found.append((_loss(shaped, run, spec(x)), x))
+        if on_start is not None:
+            on_start()
     # Latency and MFU trade off along a flat valley, so another start replaces the first
     # only when its fit is clearly better (20% lower loss), not by noise-level amounts.
     best_loss, best = found[0]
@@ -357,8 +370,12 @@ def predict_run(run: RunData, hw: HardwareSpec) -> dict:
     return {"measured": meas, "predicted": pred, "relative_error": (pred - meas) / meas}
 
 
-def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Path | None = None) -> dict:
+def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Path | None = None,
+              on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Fit on all steps and predict the median step time; also fit on even steps, test on odd ones.
+
+    ``on_progress(done, total)`` counts fit starts (`FIT_STARTS` per fit): the CLI's progress
+    bar, since a 60-step run takes about half a minute to fit.
 
     With `predict_dir`, the factors fitted on `run_dir` also predict another run (a
     different workload on the same machine): the test that the cost model, not the
@@ -369,7 +386,15 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     # One build per step serves both fits and every prediction below (shapes do not
     # depend on the factors); rebuilding them per use tripled the work outside the fit.
     shapes = [step_shapes(run, r) for r in run.steps]
-    fitted = fit(run, base, shapes=shapes)
+    total, done = FIT_STARTS * (2 if len(run.steps) >= 4 else 1), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    fitted = fit(run, base, shapes=shapes, on_start=tick)
     stages = [price_stages(run, sh, fitted) for sh in shapes]
     preds = [sum(st.values()) for st in stages]
     measured = [r.step_seconds for r in run.steps]
@@ -388,7 +413,7 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
             out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
     if len(run.steps) >= 4:
         train_recs, test_recs = run.steps[0::2], run.steps[1::2]
-        held = fit(run, base, train_recs, shapes[0::2])
+        held = fit(run, base, train_recs, shapes[0::2], on_start=tick)
         p = float(np.median([sum(price_stages(run, sh, held).values()) for sh in shapes[1::2]]))
         m = float(np.median([r.step_seconds for r in test_recs]))
         out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,

@@ -175,7 +175,24 @@ def calibrate_cmd(
 
     try:
         get_hardware(hardware)
-        result = calibrate(run_dir, hardware, predict)
+        # The bar starts with the first fit, once the run has loaded: bad input stays one line.
+        # It goes to stderr, so `--json` stdout stays one document.
+        progress = make_progress(Console(stderr=True))
+        bar = progress.add_task("calibrate: fit starts", total=None)
+
+        started = []
+
+        def tick(done: int, total: int) -> None:
+            if not started:
+                progress.start()
+                started.append(True)
+            progress.update(bar, completed=done, total=total)
+
+        try:
+            result = calibrate(run_dir, hardware, predict, tick)
+        finally:
+            if started:
+                progress.stop()
     except ValueError as err:
         fail(str(err))
     med = result["median_step_seconds"]
