@@ -141,3 +141,15 @@ def test_trimmed_micro_batches_price_less_than_padding(tmp_path):
     for stage in ("reference", "old_logprob", "actor_update", "critic_update"):
         assert b[stage] < a[stage], stage
     assert b["generate"] <= a["generate"]  # the engine starts each row at its own prompt length
+
+
+def test_nelder_mead_finds_a_known_minimum():
+    # Rosenbrock in 2-D (minimum 0 at (1, 1), a curved valley) and a shifted quadratic in 4-D.
+    from fuseflow.sim.calibrate import nelder_mead
+
+    rosen = lambda x: (1 - x[0]) ** 2 + 100 * (x[1] - x[0] ** 2) ** 2  # noqa: E731
+    x = nelder_mead(rosen, np.array([-1.2, 1.0]), iters=2000, tol=1e-14)
+    assert np.allclose(x, [1.0, 1.0], atol=1e-3)
+    target = np.array([0.5, -2.0, 3.0, 1.5])
+    x = nelder_mead(lambda x: float(np.sum((x - target) ** 2)), np.zeros(4), iters=2000, tol=1e-14)
+    assert np.allclose(x, target, atol=1e-4)
