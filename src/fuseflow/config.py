@@ -250,7 +250,8 @@ class ScheduleConfig(_Section):
     sequential: verl's order. fused: samples go to inference as they finish while generation
     goes on, and the long tail migrates onto fewer rollout workers. async: generation for step
     t+1 overlaps training of step t, at most ``max_staleness`` versions behind (the decoupled
-    loss is then the default). fused+async: both.
+    loss is then the default). Generation runs one step ahead, so samples are at most one
+    version old: a bound above 1 is respected but does not prefetch further. fused+async: both.
     """
 
     mode: Literal["sequential", "fused", "async", "fused+async"] = "sequential"
