@@ -251,7 +251,7 @@ def test_descent_keeps_the_makespan_and_lowers_memory():
     memory.descent(sr)
     assert sr.best_score[0] == span == sr.lb
     assert sr.peak < peak  # measured: 12.9 -> 9.9
-    g = sr.g0.with_edges(cap_edges(sr.g0, memory.strict_primary(sr)))
+    g = sr.g0.with_edges(cap_edges(sr.g0, sr.roles.primary_caps))
     assert memory.respects(g, sr.best_start)  # A stays in strict 1F1B
     # The fast per-graph peak agrees with the reference evaluator on the schedule's order.
     assert max(device_peaks(inst, order_from_times(inst, sr.g0.times_to_tasks(sr.best_start)))) == pytest.approx(sr.peak)

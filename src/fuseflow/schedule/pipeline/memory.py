@@ -22,7 +22,7 @@ from __future__ import annotations
 from fuseflow.schedule.pipeline import cpsat
 from fuseflow.schedule.pipeline.graph import CycleError, TaskGraph, device_peaks_of
 from fuseflow.schedule.pipeline.state import Search, score_of
-from fuseflow.schedule.pipeline.structure import Caps, cap_edges, peak_point, primary_model, stage_on
+from fuseflow.schedule.pipeline.structure import cap_edges, peak_point
 
 # Effort limits, in work units so results do not depend on machine load (state.py).
 DESCENT_ROUNDS = 150  # list-scheduling rounds per repair before asking CP-SAT
@@ -61,13 +61,6 @@ def respects(g: TaskGraph, start: list[int]) -> bool:
     return all(start[b] >= start[a] + g.dur[a] for a in range(g.n) for b in g.succ[a])
 
 
-def strict_primary(sr: Search) -> Caps:
-    """The heavier model in strict 1F1B on every device (structure.py explains why)."""
-    prim = primary_model(sr.inst)
-    p = sr.inst.stages(prim)
-    return {(d, prim): (p - stage_on(sr.inst, prim, d)[1], True) for d in range(sr.inst.n_devices)}
-
-
 def _repair(sr: Search, g: TaskGraph, start: list[int], makespan: int) -> list[int] | None:
     """A schedule of `g` within `makespan` near `start` (which may break a few of g's edges)."""
     span, new = sr.heuristic(g, start, makespan, DESCENT_ROUNDS, DESCENT_PATIENCE)
@@ -82,8 +75,8 @@ def _repair(sr: Search, g: TaskGraph, start: list[int], makespan: int) -> list[i
 def descent(sr: Search) -> None:
     """Lower the secondary model's per-device caps one step at a time (module docstring)."""
     g0, makespan = sr.g0, sr.best_score[0]
-    sec = "B" if primary_model(sr.inst) == "A" else "A"
-    base = strict_primary(sr)
+    sec = sr.roles.secondary
+    base = sr.roles.primary_caps  # the heavier model in strict 1F1B (structure.py explains why)
     base_edges = cap_edges(g0, base)
     g_base = g0.with_edges(base_edges)
     cur = sr.best_start
@@ -119,7 +112,7 @@ def exact(sr: Search, strict: bool, det: float = EXACT_DET) -> bool:
     if sr.g0.n > CP_MEMORY_MAX_TASKS or sr.left() < 0.5:
         return False
     g0 = sr.g0
-    edges = cap_edges(g0, strict_primary(sr)) if strict else []
+    edges = cap_edges(g0, sr.roles.primary_caps) if strict else []
     g = g0.with_edges(edges)
     if not respects(g, sr.best_start):
         return False

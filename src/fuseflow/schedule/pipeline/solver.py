@@ -25,7 +25,7 @@ from fuseflow.schedule.pipeline import cpsat, memory
 from fuseflow.schedule.pipeline.heuristic import latest_finish
 from fuseflow.schedule.pipeline.problem import PipelineInstance, Task, evaluate, order_from_times
 from fuseflow.schedule.pipeline.state import Progress, Search
-from fuseflow.schedule.pipeline.structure import cap_edges, caps_for_target, primary_model
+from fuseflow.schedule.pipeline.structure import cap_edges, caps_for_target
 
 MAKESPAN_WORK = 3_000_000  # task-rounds per start in the makespan stage (3000 rounds on 1024 tasks)
 CP_FEASIBLE_DET = 5.0  # deterministic seconds for CP-SAT feasibility at the bound
@@ -53,13 +53,11 @@ class SolveResult:
 
 def _stage_makespan(sr: Search) -> None:
     """Reach the lower bound if possible; keeps the best makespan found otherwise."""
-    inst, g0 = sr.inst, sr.g0
-    prim = primary_model(inst)
-    sec = "B" if prim == "A" else "A"
+    inst, g0, rl = sr.inst, sr.g0, sr.roles
     # Generous caps: the heavier model in strict 1F1B, the other one loosely capped.
     # On the 32-micro-batch instances this graph reached the bound from its first
     # latest-start order, where the unconstrained one stalled one unit above it.
-    caps = caps_for_target(inst, 2 * (inst.stages(prim) * inst.mem(prim) + inst.mem(sec)))
+    caps = caps_for_target(inst, rl, 2 * (inst.stages(rl.primary) * inst.mem(rl.primary) + inst.mem(rl.secondary)))
     graphs = ([cap_edges(g0, caps)] if caps is not None else []) + [[]]
     for edges in graphs:
         g = g0.with_edges(edges)

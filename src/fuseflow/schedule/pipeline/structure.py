@@ -15,11 +15,14 @@ the list-scheduling search reaches the bound in seconds instead of minutes (on t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from fuseflow.schedule.pipeline.graph import TaskGraph
 from fuseflow.schedule.pipeline.problem import PipelineInstance, Task
 
-Caps = dict[tuple[int, str], tuple[int, bool]]  # (device, model) -> (cap, strict)
+Caps = Mapping[tuple[int, str], tuple[int, bool]]  # (device, model) -> (cap, strict)
 
 
 def stage_on(inst: PipelineInstance, model: str, device: int) -> tuple[int, int]:
@@ -29,10 +32,32 @@ def stage_on(inst: PipelineInstance, model: str, device: int) -> tuple[int, int]
     return device // inst.p_b, inst.p_b - 1 - device % inst.p_b
 
 
-def primary_model(inst: PipelineInstance) -> str:
-    """The model whose own 1F1B schedule needs the most memory on one device (stage 0
-    holds p micro-batches); it gets the fixed 1F1B order, the other one fills around it."""
-    return "A" if inst.p_a * inst.mem_a >= inst.p_b * inst.mem_b else "B"
+@dataclass(frozen=True)
+class Roles:
+    """Which model the solver pins to strict 1F1B (primary) and which one fills around it
+    (secondary, the one whose caps the memory stages lower). Derived once per instance by
+    `roles` and passed to every stage, so they cannot disagree.
+    """
+
+    primary: str
+    secondary: str
+    # (device, primary) -> (p - s, strict): the primary's own 1F1B warm-up count on the
+    # stage it runs there; read-only, copy it with dict(...) to add the secondary's caps.
+    primary_caps: Caps
+
+
+def roles(inst: PipelineInstance) -> Roles:
+    """Primary and secondary model of `inst`, with the primary's strict 1F1B caps.
+
+    The primary is the model whose own 1F1B schedule needs the most memory on one device
+    (its stage 0 holds p micro-batches of `mem`); A wins a tie.
+    Example: "4,2,4,4,1,1,1,5" has 4*1 < 2*5, so B is primary; its stage on devices 0..3 is
+    1,0,1,0 and its caps are 1,2,1,2.
+    """
+    prim = "A" if inst.p_a * inst.mem_a >= inst.p_b * inst.mem_b else "B"
+    p = inst.stages(prim)
+    caps = {(d, prim): (p - stage_on(inst, prim, d)[1], True) for d in range(inst.n_devices)}
+    return Roles(prim, "B" if prim == "A" else "A", MappingProxyType(caps))
 
 
 def cap_edges(g: TaskGraph, caps: Caps) -> list[tuple[int, int]]:
@@ -51,21 +76,19 @@ def cap_edges(g: TaskGraph, caps: Caps) -> list[tuple[int, int]]:
     return edges
 
 
-def caps_for_target(inst: PipelineInstance, target: float) -> Caps | None:
+def caps_for_target(inst: PipelineInstance, rl: Roles, target: float) -> Caps | None:
     """Per-device caps whose worst case, cap_P*mem_P + cap_S*mem_S, stays within `target`.
 
-    The primary model keeps its 1F1B warm-up count (p - s) where the budget allows and is
-    strict; the secondary gets whatever memory is left. Returns None if some device cannot
-    hold even one micro-batch of each model.
+    The primary model keeps its 1F1B warm-up count (`rl.primary_caps`) where the budget
+    allows and is strict; the secondary gets whatever memory is left. Returns None if some
+    device cannot hold even one micro-batch of each model.
     Example: "8,4,32,16,5,4,1.95,2" at 19.7 gives A caps 8..1 and B caps 2,3,4,4,5,6,7,8.
     """
-    prim = primary_model(inst)
-    sec = "B" if prim == "A" else "A"
+    prim, sec = rl.primary, rl.secondary
     mp, ms = inst.mem(prim), inst.mem(sec)
-    caps: Caps = {}
+    caps: dict[tuple[int, str], tuple[int, bool]] = {}
     for d in range(inst.n_devices):
-        _, s = stage_on(inst, prim, d)
-        k_p = inst.stages(prim) - s
+        k_p = rl.primary_caps[(d, prim)][0]
         if mp > 0:
             k_p = min(k_p, math.floor((target - ms) / mp + 1e-9))
         k_s = inst.micro_batches(sec) if ms == 0 else math.floor((target - k_p * mp) / ms + 1e-9)
