@@ -280,6 +280,18 @@ def test_run_instance_report_and_gantt(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_gantt_creates_the_folder_closes_the_figure_and_returns_the_path(tmp_path):
+    from fuseflow.schedule.pipeline.plot import gantt
+    from fuseflow.telemetry.plots import plt
+
+    order = [[a(0, False), b(0, False), b(0, True), a(0, True)], [b(1, False), a(1, False), a(1, True), b(1, True)]]
+    open_before = plt.get_fignums()
+    target = tmp_path / "not" / "yet" / "there.png"
+    out = gantt(TINY, evaluate(TINY, order).start, str(target), "tiny")
+    assert out == target and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plt.get_fignums() == open_before  # closed, so a long bench does not pile up figures
+
+
 def _app() -> typer.Typer:
     app = typer.Typer()
 

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")  # headless: never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from fuseflow.schedule.pipeline.problem import PipelineInstance, Task  # noqa: E402
+from fuseflow.schedule.pipeline.problem import PipelineInstance, Task
+from fuseflow.telemetry.plots import plt, save_figure  # importing plots selects the Agg backend
 
 _COLORS = {("A", False): "#9ecae1", ("A", True): "#2171b5", ("B", False): "#fdae6b", ("B", True): "#d94801"}
 
 
 def gantt(inst: PipelineInstance, start: dict[Task, int], path: str | Path, title: str = "") -> Path:
-    """Draw the schedule given by `start` to a PNG at `path` and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Draw the schedule given by `start` to a PNG at `path` and return the path.
+
+    Saved like every fuseflow PNG (telemetry.plots.save_figure): the folder is created and
+    the figure closed, so a bench over many instances does not pile up open figures.
+    """
     makespan = max(s + inst.duration(t) for t, s in start.items())
     fig, ax = plt.subplots(figsize=(min(40, 6 + makespan / 25), 1 + 0.45 * inst.n_devices))
     for t, s in start.items():
@@ -43,7 +42,4 @@ def gantt(inst: PipelineInstance, start: dict[Task, int], path: str | Path, titl
         fontsize=7,
         ncol=4,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, Path(path))
