@@ -13,15 +13,7 @@ from fuseflow.sim.costmodel import (
     infer_cost,
     train_cost,
 )  # fmt: skip
-from fuseflow.sim.hardware import Efficiency, HardwareSpec
-from fuseflow.sim.modelspec import ModelSpec
-
-# Round numbers, no latencies: every slot is pure compute, so counts can be checked by hand.
-HW = HardwareSpec("toy", peak_flops=1e12, mem_bw=1e11, mem_capacity=1e12, intra_bw=1e10, inter_bw=1e9,
-                  gpus_per_node=8, param_bytes=2, usable_memory_fraction=1.0,
-                  efficiency=Efficiency(train_mfu=0.5, infer_mfu=0.5, decode_mbu=0.5, comm=1.0,
-                                        layer_latency_s=0.0, collective_latency_s=0.0))  # fmt: skip
-TOY = ModelSpec("toy", hidden=8, layers=2, heads=2, kv_heads=1, ffn=16, vocab=10)
+from test_sim_costmodel import HW, TOY  # the toy spec with round numbers: counts check by hand
 
 
 def test_train_cost_records_steps_and_micro_batches_by_hand():
