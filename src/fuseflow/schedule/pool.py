@@ -12,9 +12,10 @@ The price is Python-level contention (scheduling, sampling) on the GIL: two roll
 decode the fusion benchmark's step in 0.38 s where one takes 0.30 s. Processes were measured
 too: sequential PPO on Ray with dp=2 per role ran at 86.6 samples/s against 121.9 on these
 threads (``docs/benchmarks.md``, "Fusion and async"). Large activations also cost threads
-more than processes: six forward+backward passes of the tiny model on 128 x 100 tokens ran
-1.22x faster as two threads than one after the other, but 1.76x as two processes; at
-32 x 100 tokens two threads reached 1.95x (session 5, 2-core machine, one intra-op thread each).
+more than processes: two models each taking six forward+backward+Adam steps of the tiny model
+on 128 x 100 tokens ran 1.22x faster as two threads than one after the other, but about 1.75x
+as two processes; forward+backward alone on 32 x 100 tokens reached 1.95x as two threads
+(2-core machine, one intra-op thread each).
 """
 
 from __future__ import annotations
