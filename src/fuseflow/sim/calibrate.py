@@ -386,7 +386,8 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     # One build per step serves both fits and every prediction below (shapes do not
     # depend on the factors); rebuilding them per use tripled the work outside the fit.
     shapes = [step_shapes(run, r) for r in run.steps]
-    total, done = FIT_STARTS * (2 if len(run.steps) >= 4 else 1), 0
+    held_out = len(run.steps) >= 4  # enough steps to fit on the even ones and test on the odd ones
+    total, done = FIT_STARTS * (2 if held_out else 1), 0
 
     def tick() -> None:
         nonlocal done
@@ -411,7 +412,7 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
         if obs:
             pred = [st.get(name, 0.0) for r, st in zip(run.steps, stages, strict=True) if name in r.stages]
             out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
-    if len(run.steps) >= 4:
+    if held_out:
         train_recs, test_recs = run.steps[0::2], run.steps[1::2]
         held = fit(run, base, train_recs, shapes[0::2], on_start=tick)
         p = float(np.median([sum(price_stages(run, sh, held).values()) for sh in shapes[1::2]]))

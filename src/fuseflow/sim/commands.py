@@ -9,6 +9,8 @@ other command's errors.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -25,6 +27,28 @@ from .policies import parse_policy
 from .scenarios import SCENARIOS, run_scenario
 from .search import search
 from .workload import LengthDist, Workload
+
+
+@contextmanager
+def _progress_bar(description: str) -> Iterator[Callable[..., None]]:
+    """A progress bar for a long command, as ``update(done, total, description=None)``.
+
+    It writes to stderr, so `--json` output on stdout stays one parseable document, and it
+    appears only with its first update: input errors found before any work stay one line.
+    """
+    progress = make_progress(Console(stderr=True))
+    bar = progress.add_task(description, total=None)
+
+    def update(done: int, total: int, text: str | None = None) -> None:
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(bar, completed=done, total=total, description=text or description)
+
+    try:
+        yield update
+    finally:
+        if progress.live.is_started:
+            progress.stop()
 
 
 def _emit(data: dict, as_json: bool, out: Path | None, text: str) -> None:
@@ -53,12 +77,9 @@ def simulate_cmd(
         fail(f"--scenario {scenario!r}: unknown; choose one of: {', '.join(SCENARIOS)}")
     if iterations < 1:
         fail(f"--iterations {iterations}: must be >= 1")
-    # The bar goes to stderr, so `--json` output on stdout stays one parseable document.
-    with make_progress(Console(stderr=True)) as progress:
-        bar = progress.add_task(f"simulate {scenario}", total=None)
+    with _progress_bar(f"simulate {scenario}") as update:
         result = run_scenario(scenario, trace_dir, iterations,
-                              lambda done, total, case: progress.update(bar, completed=done, total=total,
-                                                                        description=f"simulate {scenario}: {case}"))
+                              lambda done, total, case: update(done, total, f"simulate {scenario}: {case}"))
     lines = [f"scenario {scenario} on {result['hardware']}"]
     for case in result["cases"]:
         pols = ", ".join(f"{p}: {v['iteration_seconds']:.2f}s x{v['speedup_vs_sequential']:.2f} "
@@ -175,24 +196,8 @@ def calibrate_cmd(
 
     try:
         get_hardware(hardware)
-        # The bar starts with the first fit, once the run has loaded: bad input stays one line.
-        # It goes to stderr, so `--json` stdout stays one document.
-        progress = make_progress(Console(stderr=True))
-        bar = progress.add_task("calibrate: fit starts", total=None)
-
-        started = []
-
-        def tick(done: int, total: int) -> None:
-            if not started:
-                progress.start()
-                started.append(True)
-            progress.update(bar, completed=done, total=total)
-
-        try:
-            result = calibrate(run_dir, hardware, predict, tick)
-        finally:
-            if started:
-                progress.stop()
+        with _progress_bar("calibrate: fit starts") as update:
+            result = calibrate(run_dir, hardware, predict, lambda done, total: update(done, total))
     except ValueError as err:
         fail(str(err))
     med = result["median_step_seconds"]

@@ -183,32 +183,32 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase
     """
     hw = get_hardware("L40S")
     cases = []
-    done = _counter(on_case, 4)
-    for model in ("qwen2.5-3b", "qwen2.5-7b"):
-        for algo in ("grpo", "ppo"):
-            prompts, k = (64, 8) if algo == "grpo" else (512, 1)
-            wl = Workload(
-                prompts=prompts, samples_per_prompt=k, algorithm=algo, reward_model=False,
-                prompt_len=LengthDist("lognormal", max_len=512, median=150, sigma=0.4),
-                response_len=LengthDist("lognormal", **RLHFLESS_RESPONSE),
-            )  # fmt: skip
-            prob = Problem.build(get_model(model), hw, 16, wl)
-            plan = verl_plan(prob)
-            name = f"{model}/{algo}"
-            rows, base = {}, None
-            for pol in ("sequential", "elastic", "fused", "elastic+fused"):
-                res = simulate(prob, plan, parse_policy(pol), iterations)
-                base = base or res
-                rows[pol] = _policy_row(res, base)
-                if pol in ("sequential", "elastic"):
-                    _trace(trace_dir, f"rlhfless_{name.replace('/', '_')}_{pol}", res)
-            seq, ela = rows["sequential"], rows["elastic"]
-            cases.append({
-                "case": name, "plan": plan.describe(), "policies": rows,
-                "elastic_gpu_seconds_saving": round(1 - ela["gpu_seconds"] / seq["gpu_seconds"], 4),
-                "elastic_slowdown": round(ela["iteration_seconds"] / seq["iteration_seconds"] - 1, 4),
-            })  # fmt: skip
-            done(name)
+    runs = [(model, algo) for model in ("qwen2.5-3b", "qwen2.5-7b") for algo in ("grpo", "ppo")]
+    done = _counter(on_case, len(runs))
+    for model, algo in runs:
+        prompts, k = (64, 8) if algo == "grpo" else (512, 1)
+        wl = Workload(
+            prompts=prompts, samples_per_prompt=k, algorithm=algo, reward_model=False,
+            prompt_len=LengthDist("lognormal", max_len=512, median=150, sigma=0.4),
+            response_len=LengthDist("lognormal", **RLHFLESS_RESPONSE),
+        )  # fmt: skip
+        prob = Problem.build(get_model(model), hw, 16, wl)
+        plan = verl_plan(prob)
+        name = f"{model}/{algo}"
+        rows, base = {}, None
+        for pol in ("sequential", "elastic", "fused", "elastic+fused"):
+            res = simulate(prob, plan, parse_policy(pol), iterations)
+            base = base or res
+            rows[pol] = _policy_row(res, base)
+            if pol in ("sequential", "elastic"):
+                _trace(trace_dir, f"rlhfless_{name.replace('/', '_')}_{pol}", res)
+        seq, ela = rows["sequential"], rows["elastic"]
+        cases.append({
+            "case": name, "plan": plan.describe(), "policies": rows,
+            "elastic_gpu_seconds_saving": round(1 - ela["gpu_seconds"] / seq["gpu_seconds"], 4),
+            "elastic_slowdown": round(ela["iteration_seconds"] / seq["iteration_seconds"] - 1, 4),
+        })  # fmt: skip
+        done(name)
     return {"scenario": "rlhfless", "hardware": "16 x L40S", "cases": cases,
             "summary": {c["case"]: {"gpu_seconds_saving": c["elastic_gpu_seconds_saving"],
                                     "slowdown": c["elastic_slowdown"]} for c in cases},
