@@ -299,3 +299,30 @@ def test_a_dead_rollout_worker_fails_the_step_at_once(tmp_path, sft_cache, monke
         tr.close()
     assert isinstance(err.value.__cause__, MemoryError)
     assert time.perf_counter() - t0 < 30.0
+
+
+def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache, monkeypatch):
+    """`bench trl` times fuseflow's steps one by one: the async prefetch must finish inside that time."""
+    import time
+
+    from fuseflow.schedule import modes
+
+    real = modes.Strategy._generate
+
+    def slow_background(self, step, drawn, stream, after, foreground):
+        if not foreground:
+            time.sleep(1.0)  # the prefetch is surely still running when the step returns
+        return real(self, step, drawn, stream, after, foreground)
+
+    monkeypatch.setattr(modes.Strategy, "_generate", slow_background)
+    cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=2", "trainer.eval_every=100",
+                               "trainer.save_every=100", f"cache_dir={sft_cache}", "schedule.mode=async"])
+    tr = RLTrainer(cfg, tmp_path / "run", log=lambda *_: None)
+    try:
+        tr.step(1)
+        pending = tr.strategy.prefetch[1]
+        assert not pending.done()
+        tr.strategy.finish_prefetch()
+        assert pending.done() and pending.exception() is None
+    finally:
+        tr.close()

@@ -175,6 +175,8 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             torch.set_num_threads(threads)
             ff_timer.start()
             m = ff.step(rl_step)
+            if ff.strategy is not None:  # async: the next step's generation is fuseflow's time, not TRL's
+                ff.strategy.finish_prefetch()
             ff_timer.stop()
             torch.set_num_threads(trl_threads)
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])

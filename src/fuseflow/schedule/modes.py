@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,16 @@ class Strategy:
                     v.copy_(src[k])
         self.pool.update_weights(version)
         self.version = version
+
+    def finish_prefetch(self) -> None:
+        """Wait until the next step's background generation (async modes) has finished, if one runs.
+
+        Why: a benchmark that times fuseflow's steps one at a time with other work in between
+        (`bench trl`) must count that generation in fuseflow's time, not in the gap. Its errors
+        are not raised here but by the next step, which takes its result.
+        """
+        if self.prefetch is not None:
+            wait([self.prefetch[1]])
 
     def _start_prefetch(self, step: int) -> None:
         """Start generating ``step`` now if the staleness bound allows it with the rollout's weights."""
