@@ -100,14 +100,14 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     except ImportError as exc:
         raise ImportError(f"fuseflow bench trl needs TRL: pip install 'fuseflow[bench]' ({exc})") from exc
-    from fuseflow.schedule.modes import available_cores
+    from fuseflow.schedule.modes import update_threads
     from fuseflow.trainer import PromptStream, RLTrainer
 
     if cfg.trainer.steps < 1:
         raise ValueError(f"trainer.steps must be >= 1, got {cfg.trainer.steps}")
     torch.set_num_threads(threads)
     # The cores fuseflow's rollout workers use, capped at the machine's as `Strategy.train` caps them.
-    trl_threads = min(threads * cfg.schedule.rollout_workers, available_cores())
+    trl_threads = update_threads(threads, cfg.schedule.rollout_workers)
     t, a, steps = cfg.trainer, cfg.algorithm, cfg.trainer.steps
     samples_per_step = t.prompts_per_step * a.group_size
     if work_dir is None:  # both runs' files are scratch: removed afterwards

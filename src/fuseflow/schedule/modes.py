@@ -74,6 +74,12 @@ class Generated:
     rows: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # field -> uid -> (Tr_i,) or ()
     migrated: int = 0
 
+    @classmethod
+    def of(cls, samples: list[Sample], prompt_of: dict, tokenizer, migrated: int = 0) -> Generated:
+        """Samples (in uid order) with their task prompts (by uid) and decoded responses, no inference yet."""
+        return cls(samples, [prompt_of[x.uid] for x in samples],
+                   [decode_response(tokenizer, x.response_ids) for x in samples], migrated=migrated)
+
     def merge(self, results: list[Future]) -> None:
         """Add the per-uid rows of finished inference tasks (``Strategy._infer`` results)."""
         for fut in results:
@@ -201,9 +207,7 @@ class Strategy:
             try:
                 smp = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
             except queue.Empty:
-                if self.pool.errors:
-                    tasks.closed.set()  # the other workers finish what they hold and end
-                    self.pool.check_alive(step)
+                self.pool.check_alive(step)
                 if helps and self._help(step, tasks):
                     continue
                 if helps:
@@ -237,8 +241,7 @@ class Strategy:
             th.join()
         self.pool.check_alive(step)
         done.sort(key=lambda x: x.uid)
-        gen = Generated(done, [prompt_of[x.uid] for x in done],
-                        [decode_response(self.t.tokenizer, x.response_ids) for x in done], migrated=migrated)
+        gen = Generated.of(done, prompt_of, self.t.tokenizer, migrated)
         gen.merge(results)
         return gen
 
@@ -354,7 +357,7 @@ class Strategy:
             # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
             # threads (verl trains each model on all devices, one model after the other).
             own = torch.get_num_threads()
-            torch.set_num_threads(min(own * len(self.pool), available_cores()))  # never more threads than cores
+            torch.set_num_threads(update_threads(own, len(self.pool)))
             try:
                 return self.t.overlap(step, updates)
             finally:
@@ -363,8 +366,10 @@ class Strategy:
         results: dict[str, Future] = {name: Future() for name in names}
         threads = []
         for name in names[:-1]:
-            track = self.train_tracks.setdefault(name, self.infer_track + 1 + len(self.train_tracks))
-            self.t.tracer.name_track(track, f"training-{name.removesuffix('_update')}")
+            if name not in self.train_tracks:  # a thread's track is named once, when first used
+                self.train_tracks[name] = self.infer_track + 1 + len(self.train_tracks)
+                self.t.tracer.name_track(self.train_tracks[name], f"training-{name.removesuffix('_update')}")
+            track = self.train_tracks[name]
             threads.append(threading.Thread(target=self._run_update, args=(step, name, updates[name], track,
                                                                            results[name]), daemon=True,
                                             name=f"train-{name}"))
@@ -376,13 +381,11 @@ class Strategy:
         return {name: results[name].result() for name in names}  # re-raises a failed update's error
 
     def _run_update(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future) -> None:
-        t0 = time.perf_counter()
-        try:
-            out.set_result(start().result())
-        except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
-            out.set_exception(e)
-        finally:
-            self.t.tracer.record(name, step, track, t0, time.perf_counter())
+        with self.t.tracer.span(name, step, track=track):
+            try:
+                out.set_result(start().result())
+            except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
+                out.set_exception(e)
 
     # ------------------------------------------------------------------ bookkeeping
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -411,8 +414,7 @@ class Strategy:
             raise ValueError(f"{ckpt_dir}: the saved samples of step {step} do not match this config's prompts "
                              "(were trainer.prompts_per_step, algorithm.group_size or the task changed?)")
         samples.sort(key=lambda x: x.uid)
-        gen = Generated(samples, [by_uid[x.uid][1] for x in samples],
-                        [decode_response(t.tokenizer, x.response_ids) for x in samples])
+        gen = Generated.of(samples, {uid: p for uid, (_r, p) in by_uid.items()}, t.tokenizer)
         fut: Future = Future()
         fut.set_result(gen)
         self.prefetch = (step, fut, cursor)
@@ -428,6 +430,11 @@ class Strategy:
             except Exception:  # noqa: BLE001 - the run is ending; its samples are not used
                 pass
             self.prefetch = None
+
+
+def update_threads(per_worker: int, workers: int) -> int:
+    """Intra-op threads for an update that takes the idle workers' cores: theirs, never more than the machine's."""
+    return min(per_worker * workers, available_cores())
 
 
 def available_cores() -> int:

@@ -153,6 +153,7 @@ class RolloutPool:
             self._work(i, step, on_sample, tasks)
         except BaseException as e:  # noqa: BLE001 - kept for the controller, which raises it (check_alive)
             self.errors[i] = e
+            tasks.closed.set()  # the step is lost: the other workers finish what they hold and end
         finally:
             with self._bg_lock:
                 self._background.discard(tid)
