@@ -77,7 +77,7 @@ def descent(sr: Search) -> None:
     g0, makespan = sr.g0, sr.best_score[0]
     sec = sr.roles.secondary
     base = sr.roles.primary_caps  # the heavier model in strict 1F1B (structure.py explains why)
-    base_edges = cap_edges(g0, base)
+    base_edges = sr.primary_edges
     g_base = g0.with_edges(base_edges)
     cur = sr.best_start
     if not respects(g_base, cur):
@@ -112,7 +112,7 @@ def exact(sr: Search, strict: bool, det: float = EXACT_DET) -> bool:
     if sr.g0.n > CP_MEMORY_MAX_TASKS or sr.left() < 0.5:
         return False
     g0 = sr.g0
-    edges = cap_edges(g0, sr.roles.primary_caps) if strict else []
+    edges = sr.primary_edges if strict else []
     g = g0.with_edges(edges)
     if not respects(g, sr.best_start):
         return False

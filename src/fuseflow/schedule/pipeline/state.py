@@ -16,7 +16,7 @@ from fuseflow.schedule.pipeline import cpsat, heuristic
 from fuseflow.schedule.pipeline.bounds import lower_bound
 from fuseflow.schedule.pipeline.graph import TaskGraph, device_peaks_of
 from fuseflow.schedule.pipeline.problem import PipelineInstance
-from fuseflow.schedule.pipeline.structure import roles
+from fuseflow.schedule.pipeline.structure import cap_edges, roles
 
 Progress = Callable[[str, int, float], None]  # (stage, makespan, peak memory)
 Score = tuple[int, float, int, float]
@@ -35,6 +35,7 @@ class Search:
         self.inst = inst
         self.g0 = TaskGraph(inst)
         self.roles = roles(inst)  # primary/secondary model and the primary's 1F1B caps, for every stage
+        self.primary_edges = cap_edges(self.g0, self.roles.primary_caps)  # those caps as g0 edges (memory stages)
         self.lb = lower_bound(inst).value
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + seconds

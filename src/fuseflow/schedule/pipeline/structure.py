@@ -40,10 +40,13 @@ class Roles:
     """
 
     primary: str
-    secondary: str
     # (device, primary) -> (p - s, strict): the primary's own 1F1B warm-up count on the
     # stage it runs there; read-only, copy it with dict(...) to add the secondary's caps.
     primary_caps: Caps
+
+    @property
+    def secondary(self) -> str:
+        return "B" if self.primary == "A" else "A"
 
 
 def roles(inst: PipelineInstance) -> Roles:
@@ -57,7 +60,7 @@ def roles(inst: PipelineInstance) -> Roles:
     prim = "A" if inst.p_a * inst.mem_a >= inst.p_b * inst.mem_b else "B"
     p = inst.stages(prim)
     caps = {(d, prim): (p - stage_on(inst, prim, d)[1], True) for d in range(inst.n_devices)}
-    return Roles(prim, "B" if prim == "A" else "A", MappingProxyType(caps))
+    return Roles(prim, MappingProxyType(caps))
 
 
 def cap_edges(g: TaskGraph, caps: Caps) -> list[tuple[int, int]]:
