@@ -9,6 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from fuseflow.sim.commands import register
+from fuseflow.sim.scenarios import run_scenario
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +116,25 @@ def test_plan_uses_a_length_trace(app, tmp_path):
     assert res.exit_code == 2 and "--response-lengths" in res.output
 
 
-def test_simulate_scenario_json_has_policy_fields(app, tmp_path):
+def test_simulate_scenario_json_has_policy_fields(app, tmp_path, monkeypatch):
+    from fuseflow.sim import commands
+
+    calls = []  # the callback behind the progress bar: one call per case, counted, with its name
+
+    def recording(name, trace_dir, iterations, on_case):
+        def both(done, total, case):
+            calls.append((done, total, case))
+            on_case(done, total, case)
+
+        return run_scenario(name, trace_dir, iterations, both)
+
+    monkeypatch.setattr(commands, "run_scenario", recording)
     out = tmp_path / "r.json"
     res = runner.invoke(app, ["simulate", "--scenario", "rlhfless", "--json", "--out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert json.loads(res.stdout) == data  # the progress bar goes to stderr: stdout is the JSON alone
+    assert calls == [(i + 1, 4, c["case"]) for i, c in enumerate(data["cases"])]
     for case in data["cases"]:
         for row in case["policies"].values():
             assert {"iteration_seconds", "samples_per_second", "gpu_seconds", "speedup_vs_sequential"} <= set(row)
@@ -138,11 +152,3 @@ def test_calibrate_command_on_synthetic_run(app, tmp_path):
     assert abs(json.loads(res.stdout)["median_step_seconds"]["relative_error"]) < 0.1
     assert "calibrate: fit starts" in res.stderr
 
-
-def test_scenario_reports_each_case_as_it_finishes():
-    """The callback behind `simulate`'s progress bar: one call per case, counted, with its name."""
-    from fuseflow.sim.scenarios import run_scenario
-
-    calls = []
-    result = run_scenario("rlhfless", on_case=lambda done, total, case: calls.append((done, total, case)))
-    assert calls == [(i + 1, 4, c["case"]) for i, c in enumerate(result["cases"])]

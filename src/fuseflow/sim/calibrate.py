@@ -28,10 +28,10 @@ from .modelspec import ModelSpec, from_hf_config
 
 STAGES = ("generate", "reference", "values", "reward", "old_logprob", "advantages",
           "critic_update", "actor_update", "weight_sync")  # fmt: skip
-# Factors fitted, with the bounds that keep them physical.
 # Starts of the fit besides the spec's own factors (see `fit`): per-layer latency near zero, MFUs near one.
-ALT_STARTS = (("layer_latency_s", 1e-6), ("train_mfu", 0.9))
+ALT_STARTS = ({"layer_latency_s": 1e-6}, {"train_mfu": 0.9, "infer_mfu": 0.9})
 FIT_STARTS = 1 + len(ALT_STARTS)
+# Factors fitted, with the bounds that keep them physical.
 FACTORS = {"train_mfu": (1e-4, 1.0), "infer_mfu": (1e-4, 1.0), "decode_mbu": (1e-3, 1.0),
            "layer_latency_s": (1e-7, 1e-1), "host_seconds_per_sample": (1e-7, 1.0)}  # fmt: skip
 
@@ -341,11 +341,10 @@ def fit(
     # basins, and one start fell into the worse one (log-loss 0.237 vs 0.109 on a default
     # run). Starts: the spec's own factors, per-layer latency near zero, MFUs near one.
     starts = [x0]
-    for key, value in ALT_STARTS:
+    for alt in ALT_STARTS:
         x = x0.copy()
-        x[names.index(key)] = math.log(value)
-        if key == "train_mfu":
-            x[names.index("infer_mfu")] = math.log(value)
+        for key, value in alt.items():
+            x[names.index(key)] = math.log(value)
         starts.append(x)
     found = []
     for start in starts:

@@ -30,14 +30,17 @@ from .workload import LengthDist, Workload
 
 
 @contextmanager
-def _progress_bar(description: str) -> Iterator[Callable[..., None]]:
+def _progress_bar(description: str, lazy: bool = False) -> Iterator[Callable[..., None]]:
     """A progress bar for a long command, as ``update(done, total, description=None)``.
 
-    It writes to stderr, so `--json` output on stdout stays one parseable document, and it
-    appears only with its first update: input errors found before any work stay one line.
+    It writes to stderr, so `--json` output on stdout stays one parseable document. ``lazy``
+    shows it only from its first update, for a command whose input errors surface once work
+    has begun (`sim calibrate` loads the run): they then stay one line.
     """
     progress = make_progress(Console(stderr=True))
     bar = progress.add_task(description, total=None)
+    if not lazy:
+        progress.start()
 
     def update(done: int, total: int, text: str | None = None) -> None:
         if not progress.live.is_started:
@@ -196,8 +199,8 @@ def calibrate_cmd(
 
     try:
         get_hardware(hardware)
-        with _progress_bar("calibrate: fit starts") as update:
-            result = calibrate(run_dir, hardware, predict, lambda done, total: update(done, total))
+        with _progress_bar("calibrate: fit starts", lazy=True) as update:
+            result = calibrate(run_dir, hardware, predict, update)
     except ValueError as err:
         fail(str(err))
     med = result["median_step_seconds"]

@@ -80,17 +80,11 @@ def verl_plan(problem: Problem, gen_tp: int = VERL_ROLLOUT_TP) -> Plan:
 OnCase = Callable[[int, int, str], None]  # (cases done, cases in all, the case just finished)
 
 
-def _counter(on_case: OnCase | None, total: int) -> Callable[[str], None]:
-    """A per-case callback that counts cases for ``on_case`` (a no-op without one)."""
-    n = 0
-
-    def done(case: str) -> None:
-        nonlocal n
-        n += 1
-        if on_case is not None:
-            on_case(n, total, case)
-
-    return done
+def _add(cases: list[dict], case: dict, on_case: OnCase | None, total: int) -> None:
+    """Append a finished case and report it to ``on_case`` (counted by the list itself)."""
+    cases.append(case)
+    if on_case is not None:
+        on_case(len(cases), total, case["case"])
 
 
 def _trace(trace_dir: Path | None, stem: str, res: SimResult) -> None:
@@ -104,7 +98,7 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase 
     """Sequential vs fused on the best colocated plan of each actor/critic pair and cap."""
     hw = get_hardware("H100")
     cases = []
-    done = _counter(on_case, len(RLHFUSE_PAIRS) * len(RLHFUSE_CAPS))
+    total = len(RLHFUSE_PAIRS) * len(RLHFUSE_CAPS)
     for actor, critic in RLHFUSE_PAIRS:
         for cap in RLHFUSE_CAPS:
             wl = Workload(
@@ -119,13 +113,12 @@ def rlhfuse(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase 
             fus = simulate(prob, plan, parse_policy("fused"), iterations)
             for pol, res in (("sequential", seq), ("fused", fus)):
                 _trace(trace_dir, f"rlhfuse_{name.replace('/', '_')}_{pol}", res)
-            cases.append({
+            _add(cases, {
                 "case": name, "plan": plan.describe(),
                 "policies": {"sequential": _policy_row(seq, seq), "fused": _policy_row(fus, seq)},
                 "gen_plus_inference_speedup": round(seq.gen_plus_inference_seconds / fus.gen_plus_inference_seconds, 4),
                 "end_to_end_speedup": round(seq.iteration_seconds / fus.iteration_seconds, 4),
-            })  # fmt: skip
-            done(name)
+            }, on_case, total)  # fmt: skip
     gi = [c["gen_plus_inference_speedup"] for c in cases]
     e2e = [c["end_to_end_speedup"] for c in cases]
     return {
@@ -142,7 +135,7 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCa
     wl = Workload(prompts=1024, prompt_len=LengthDist("fixed", max_len=1024),
                   response_len=LengthDist("fixed", max_len=1024), algorithm="ppo")  # fmt: skip
     cases = []
-    done = _counter(on_case, len(HYBRIDFLOW_MODELS) * len(HYBRIDFLOW_GPUS))
+    total = len(HYBRIDFLOW_MODELS) * len(HYBRIDFLOW_GPUS)
     for model in HYBRIDFLOW_MODELS:
         for gpus in HYBRIDFLOW_GPUS:
             prob = Problem.build(get_model(model), hw, gpus, wl)
@@ -157,8 +150,7 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCa
             case: dict = {"case": f"{model}/{gpus}gpus", "model": model, "gpus": gpus}
             if not by_kind:
                 case.update(feasible=False, placements={}, policies={})
-                cases.append(case)
-                done(case["case"])
+                _add(cases, case, on_case, total)
                 continue
             best_kind = min(by_kind, key=lambda k: by_kind[k]["iteration_seconds"])
             best = by_kind[best_kind]
@@ -169,8 +161,7 @@ def hybridflow(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCa
             _trace(trace_dir, f"hybridflow_{model}_{gpus}_{best_kind}_sequential", seq)
             case.update(feasible=True, best_placement=best_kind, placements=by_kind,
                         policies={"sequential": _policy_row(seq, seq), "fused": _policy_row(fus, seq)})  # fmt: skip
-            cases.append(case)
-            done(case["case"])
+            _add(cases, case, on_case, total)
     return {"scenario": "hybridflow", "hardware": "16-128 x A100", "cases": cases,
             "summary": {c["case"]: c.get("best_placement", "infeasible") for c in cases}}  # fmt: skip
 
@@ -184,7 +175,6 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase
     hw = get_hardware("L40S")
     cases = []
     runs = [(model, algo) for model in ("qwen2.5-3b", "qwen2.5-7b") for algo in ("grpo", "ppo")]
-    done = _counter(on_case, len(runs))
     for model, algo in runs:
         prompts, k = (64, 8) if algo == "grpo" else (512, 1)
         wl = Workload(
@@ -203,12 +193,11 @@ def rlhfless(trace_dir: Path | None = None, iterations: int = 1, on_case: OnCase
             if pol in ("sequential", "elastic"):
                 _trace(trace_dir, f"rlhfless_{name.replace('/', '_')}_{pol}", res)
         seq, ela = rows["sequential"], rows["elastic"]
-        cases.append({
+        _add(cases, {
             "case": name, "plan": plan.describe(), "policies": rows,
             "elastic_gpu_seconds_saving": round(1 - ela["gpu_seconds"] / seq["gpu_seconds"], 4),
             "elastic_slowdown": round(ela["iteration_seconds"] / seq["iteration_seconds"] - 1, 4),
-        })  # fmt: skip
-        done(name)
+        }, on_case, len(runs))  # fmt: skip
     return {"scenario": "rlhfless", "hardware": "16 x L40S", "cases": cases,
             "summary": {c["case"]: {"gpu_seconds_saving": c["elastic_gpu_seconds_saving"],
                                     "slowdown": c["elastic_slowdown"]} for c in cases},
