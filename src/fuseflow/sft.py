@@ -23,6 +23,7 @@ from fuseflow.data.batch import Batch, pad_sequences
 from fuseflow.evaluate import encode_prompts, evaluate
 from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.tasks import Task
+from fuseflow.tasks.user import function_file
 from fuseflow.workers.common import autocast, clipped_step, response_logprobs, set_lr
 
 SFT_VERSION = 1  # bump when the SFT recipe changes, to invalidate cached models
@@ -63,9 +64,7 @@ def sft_inputs(cfg: Config) -> list[Path]:
     model by held-out accuracy), tokenizer and starting model. A reward given as ``package.module``
     is not covered: its code is the installed package's."""
     t, m = cfg.task, cfg.model
-    reward_file = t.reward_fn.rsplit(":", 1)[0] if t.reward_fn and ":" in t.reward_fn else None
-    paths = [t.path, t.eval_path, reward_file if reward_file and reward_file.endswith(".py") else None,
-             m.tokenizer, m.path]
+    paths = [t.path, t.eval_path, function_file(t.reward_fn) if t.reward_fn else None, m.tokenizer, m.path]
     return [Path(p).expanduser() for p in paths if p]
 
 

@@ -65,13 +65,19 @@ def load_rows(path: str | Path, field: str = "task.path") -> list[dict]:
     return rows
 
 
+def function_file(spec: str) -> Path | None:
+    """The file a ``path/to/file.py:function`` spec imports from; None for ``package.module:function``."""
+    target = spec.rsplit(":", 1)[0] if ":" in spec else ""
+    return Path(target).expanduser() if target.endswith(".py") else None
+
+
 def load_function(spec: str, field: str = "task.reward_fn") -> Callable:
     """Import ``package.module:function`` or ``path/to/file.py:function`` (``field`` names it in errors)."""
     if ":" not in spec:
         raise DataError(f"{field}: {spec!r} should look like package.module:function or file.py:function")
     target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target).expanduser()
+    path = function_file(spec)
+    if path is not None:
         if not path.is_file():
             raise DataError(f"{field}: file {target} does not exist")
         mod_spec = importlib.util.spec_from_file_location(f"fuseflow_user_{path.stem}", path)
