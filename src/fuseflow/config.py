@@ -183,6 +183,9 @@ class RewardConfig(_Section):
     model_weight: float = 1.0
     fn_weight: float = 1.0  # default: 1.0 without a reward model, 0.0 with one (the task fn is then only logged)
     batch_size: int = Field(64, gt=0)  # samples per reward-model forward
+    # Reward workers each scoring call is split over (backend=ray; each loads its own reward model).
+    # Stays 1 when actor.dp grows: a reward function alone is cheap and gains nothing from more processes.
+    dp: int = Field(1, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -233,7 +236,7 @@ class PlacementConfig(_Section):
     actor: str = "main"  # the policy and its rollout engine
     reference: str = "main"
     critic: str = "main"  # also safe_ppo's cost critic
-    reward: str = "main"  # the reward function and reward model (one worker)
+    reward: str = "main"  # the reward function and reward model (reward.dp workers)
 
 
 class ActorScale(_Section):
@@ -336,9 +339,10 @@ class Config(_Section):
         return self
 
     def role_dp(self) -> dict[str, int]:
-        """Data-parallel size of every role (reward runs on one worker)."""
+        """Data-parallel size of every role (reference and critic follow actor.dp unless set; reward.dp does not)."""
         a = self.actor.dp
-        return {"actor": a, "reference": self.reference.dp or a, "critic": self.critic.dp or a, "reward": 1}
+        return {"actor": a, "reference": self.reference.dp or a, "critic": self.critic.dp or a,
+                "reward": self.reward.dp}
 
     def resolved_placement(self):
         """The pools and role placement this config asks for (``fuseflow.controller.placement.Placement``)."""

@@ -13,6 +13,7 @@ numpy buffers out of band and reads them without a copy, while torch tensors are
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,10 +94,15 @@ def plan_for(arg: Any, k: int) -> SplitPlan:
 
 
 def shard(arg: Any, plan: SplitPlan) -> list[Any]:
-    """One piece of ``arg`` per rank, in plan order, with padding rows appended."""
+    """One piece of ``arg`` per rank, in plan order, with padding rows appended.
+
+    A list cut by a Batch's padded plan (``split_args``) pads with a repeat of a real item,
+    so it stays row-aligned with the Batch; a list's own (contiguous) plan has no padding.
+    """
     if isinstance(arg, Batch):
         return [_pad_batch(arg, part, pad) for part, pad in zip(plan.parts, plan.pad, strict=True)]
-    return [[arg[i] for i in part] for part in plan.parts]
+    return [[arg[i] for i in part] + ([arg[part[0] if part else 0]] * pad if pad else [])
+            for part, pad in zip(plan.parts, plan.pad, strict=True)]
 
 
 def _pad_batch(batch: Batch, part: Sequence[int], pad: int) -> Batch:
@@ -115,11 +121,20 @@ def _pad_batch(batch: Batch, part: Sequence[int], pad: int) -> Batch:
 def restore(results: Sequence[Any], plan: SplitPlan) -> Any:
     """Undo ``shard``: drop each rank's padding rows and put rows back in the original order.
 
-    Results may be tensors (rows on dim 0), ``Batch``es, lists, or dicts/tuples of those.
+    Results may be tensors (rows on dim 0), ``Batch``es, lists, or dicts/tuples/dataclasses
+    of those (a dataclass is restored field by field; a field that is None on every rank,
+    such as an optional output, stays None).
     """
     if len(results) != plan.world_size:
         raise ValueError(f"restore: {len(results)} results for a split over {plan.world_size} ranks")
     first = results[0]
+    if first is None or any(r is None for r in results):
+        if all(r is None for r in results):
+            return None
+        raise ValueError("restore: some ranks returned None and others a value for the same output")
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{f.name: restore([getattr(r, f.name) for r in results], plan)
+                                             for f in dataclasses.fields(first) if f.init})
     if isinstance(first, dict):
         return {k: restore([r[k] for r in results], plan) for k in first}
     if isinstance(first, tuple):

@@ -111,14 +111,17 @@ class WorkerGroup(ABC):
             ranks = list(range(k))
             per_rank = [(tuple(a[r] for a in args), {n: v[r] for n, v in kwargs.items()}) for r in ranks]
         else:  # dp_split
-            if not args:
-                raise ValueError(f"{self.role}.{name} (mode 'dp_split') needs the data as its first argument")
+            n = spec.split_args
+            if len(args) < n:
+                raise ValueError(f"{self.role}.{name} (mode 'dp_split') needs the data as its first "
+                                 f"{'argument' if n == 1 else f'{n} positional arguments'}, got {len(args)}")
             ranks = list(range(k))
             if k == 1:
                 per_rank = [(args, kwargs)]
             else:
                 plan = plan_for(args[0], k)
-                per_rank = [((piece, *args[1:]), kwargs) for piece in shard(args[0], plan)]
+                pieces = [shard(a, plan) for a in _aligned(self.role, name, args[:n])]
+                per_rank = [((*(p[r] for p in pieces), *args[n:]), kwargs) for r in ranks]
         return self._submit(name, ranks, per_rank, lambda results: self._collect(spec, results, plan))
 
     @staticmethod
@@ -138,6 +141,19 @@ class WorkerGroup(ABC):
     def _submit(self, name: str, ranks: list[int], per_rank: list[tuple[tuple, dict]],
                 collect: Callable[[list], Any]) -> Future:
         """Start ``name`` on ``ranks`` with their arguments; the future applies ``collect`` to the results."""
+
+
+def _aligned(role: str, name: str, data: tuple) -> tuple:
+    """The arguments a ``dp_split`` cuts together, checked to hold one row per sample each."""
+    for i, a in enumerate(data):
+        if not hasattr(a, "__len__"):
+            raise TypeError(f"{role}.{name} (mode 'dp_split'): argument {i} is split over the ranks and must be a "
+                            f"Batch or a list, got {type(a).__name__}")
+    lengths = [len(a) for a in data]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{role}.{name} (mode 'dp_split'): its first {len(data)} arguments are split together and "
+                         f"need one row per sample each, got lengths {lengths}")
+    return data
 
 
 class LocalGroup(WorkerGroup):

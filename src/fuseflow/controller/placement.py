@@ -11,8 +11,9 @@ CPU slots and ``gpus_per_worker`` GPUs. ``placement`` maps each role to a pool:
 A role with ``dp=k`` occupies its pool's first k processes. Roles that train (actor,
 critic) shard their model over the pool's process group, so their ``dp`` must equal the
 pool's size. A pool named in ``placement`` but not in ``pools`` gets one node with as many
-1-CPU workers as its largest ``dp``. Pure functions of the config, so ``fuseflow config``
-validates a placement without starting anything.
+1-CPU workers as its largest ``dp`` (``placement.reward=reward reward.dp=2``: two reward
+workers). Pure functions of the config, so ``fuseflow config`` validates a placement
+without starting anything.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def resolve_placement(pools: dict[str, Any], placement: dict[str, str], dp: dict
             raise ValueError(f"{role}.dp={k} does not fit pool {name!r} ({size} workers = nodes x workers_per_node); "
                              f"raise pools.{name}.workers_per_node or lower {role}.dp")
         if role in TRAINABLE and k != size:
+            _blame_widest(pools, placement, dp, name, size, role)
             raise ValueError(f"{role}.dp={k} must equal the size of its pool {name!r} ({size} workers): a training "
                              f"role shards its model over the whole pool; set {role}.dp={size} or place {role} on a "
                              f"pool of its own (placement.{role}=NAME)")
@@ -90,3 +92,20 @@ def resolve_placement(pools: dict[str, Any], placement: dict[str, str], dp: dict
         raise ValueError(f"pools.{unused[0]}: no role is placed on it; map a role to it (placement.ROLE={unused[0]}) "
                          "or remove it")
     return Placement(plans, dict(placement), dict(dp))
+
+
+def _blame_widest(pools: dict[str, Any], placement: dict[str, str], dp: dict[str, int], name: str, size: int,
+                  role: str) -> None:
+    """Name the inference role (e.g. ``reward.dp=2``) that sized a pool past its training roles, if one did.
+
+    Without this, raising ``reward.dp`` on the shared default pool reads as an ``actor.dp`` error.
+    """
+    if getattr(pools.get(name), "workers_per_node", None) is not None:
+        return
+    on_pool = [r for r, p in placement.items() if p == name]
+    if max((dp[r] for r in on_pool if r in TRAINABLE), default=0) >= size:
+        return
+    wide = next(r for r in on_pool if dp[r] == size)
+    raise ValueError(f"{wide}.dp={dp[wide]} makes pool {name!r} {size} workers, but {role}.dp={dp[role]} must equal "
+                     f"its pool's size (a training role shards its model over the whole pool); place {wide} on a "
+                     f"pool of its own (placement.{wide}={wide}) or set {role}.dp={size}")

@@ -20,6 +20,10 @@ all            argument ``i`` must be a list of one value  ``list``
 ``collect`` overrides the default: ``list``, ``concat`` or ``rank_zero`` (e.g. a data-parallel
 update whose metrics are all-reduced inside the workers returns rank 0's copy).
 
+``split_args=n`` (``dp_split`` only) splits the first ``n`` arguments together, row for row,
+by the plan of the first: for methods whose samples come as parallel lists, such as the
+reward's ``score(prompts, responses)``.
+
 Example::
 
     class Critic(Worker):
@@ -52,10 +56,16 @@ class Dispatch:
 
     mode: str
     collect: str
+    split_args: int = 1  # dp_split: leading arguments split together, row for row
 
 
-def register(mode: str = "one_to_all", collect: str | None = None) -> Callable:
+def register(mode: str = "one_to_all", collect: str | None = None, split_args: int = 1) -> Callable:
     """Mark a ``Worker`` method as callable through a ``WorkerGroup`` (see the module docstring)."""
+    if not isinstance(split_args, int) or split_args < 1:
+        raise ValueError(f"register: split_args={split_args!r} must be an int >= 1 (leading arguments to split)")
+    if split_args > 1 and mode != "dp_split":
+        raise ValueError(f"register: split_args={split_args} splits arguments over ranks; it needs mode='dp_split', "
+                         f"got mode={mode!r}")
     if mode not in MODES:
         raise ValueError(f"register: mode={mode!r} is not known; choose one of {', '.join(MODES)}")
     collect = collect or DEFAULT_COLLECT[mode]
@@ -65,7 +75,7 @@ def register(mode: str = "one_to_all", collect: str | None = None) -> Callable:
         raise ValueError(f"register: collect='concat' restores a dp_split; mode={mode!r} has nothing to restore")
 
     def mark(fn: Callable) -> Callable:
-        setattr(fn, _ATTR, Dispatch(mode, collect))
+        setattr(fn, _ATTR, Dispatch(mode, collect, split_args))
         return fn
 
     return mark

@@ -35,7 +35,9 @@ class RewardWorker(Worker):
     """Owns the task's reward (and cost) function and, when configured, a reward model.
 
     The reward model scores a list of finished samples in batches of its own size
-    (``reward.batch_size``), independently of how they were generated.
+    (``reward.batch_size``), independently of how they were generated. With ``reward.dp=k``
+    (backend=ray) the group has k such workers, each with its own copy of the reward model,
+    and every ``score`` call is split over them.
     """
 
     def __init__(self, task: Task, reward_model=None, fn_weight: float = 1.0, model_weight: float = 1.0):
@@ -54,8 +56,13 @@ class RewardWorker(Worker):
         """Held-out RM score of the policy's sampled responses and the gold win rate over the SFT model's."""
         return self.heldout.preference(responses, sft_responses, self.model)
 
-    @register("rank_zero")
+    # Samples are scored one by one and independently, so the group splits prompts and responses
+    # together into contiguous runs (one per rank) and puts every RewardOutput field back in sample
+    # order: k workers return what one would (reward-model scores up to float rounding, since its
+    # batches are cut differently).
+    @register("dp_split", split_args=2)
     def score(self, prompts: list[Prompt], responses: list[str]) -> RewardOutput:
+        """Reward signals of finished samples, ``prompts[i]`` paired with ``responses[i]`` (see RewardOutput)."""
         fn = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32)
         t = self.task.success_threshold
         correct = ((fn == fn) & (fn >= t)).float()
