@@ -52,6 +52,11 @@ def test_a_reward_pool_is_sized_by_reward_dp():
     (["backend=ray", "reward.dp=2"], "reward.dp=2 makes pool 'main' 2 workers, but actor.dp=1 must equal"),
     (["backend=ray", "reward.dp=3", "placement.reward=rm", "pools.rm.workers_per_node=2"],
      "reward.dp=3 does not fit pool 'rm'"),
+    # Pools sized over 2 nodes round up (3 -> 4 workers), so no role's dp equals the pool's size.
+    (["backend=ray", "actor.dp=2", "reward.dp=3", "pools.main.nodes=2"],
+     "reward.dp=3 makes pool 'main' 4 workers, but actor.dp=2 must equal"),
+    (["backend=ray", "actor.dp=3", "pools.main.nodes=2", "trainer.prompts_per_step=12", "trainer.mini_batch_size=12",
+      "trainer.micro_batch_size=4"], "actor.dp=3 must equal the size of its pool 'main' (4 workers)"),
 ])
 def test_bad_reward_dp_is_a_one_line_error_naming_it(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -168,6 +173,11 @@ def test_prompts_and_responses_of_different_lengths_are_a_clear_error():
     with pytest.raises(ValueError, match=r"reward\.score .* need one row per sample each, got lengths \[4, 3\]"):
         group.score(prompts, responses[:3])
     assert group.sent == []  # nothing was dispatched
+    # One worker (the local backend) fails the same way instead of deep inside score's zip.
+    with pytest.raises(ValueError, match=r"need one row per sample each, got lengths \[4, 3\]"):
+        LocalGroup("reward", RewardWorker(task)).score(prompts, responses[:3])
+    with pytest.raises(TypeError, match=r"argument 1 is split over the ranks and must be a Batch or a list, got str"):
+        group.score(prompts, "abcd")
 
 
 # ------------------------------------------------------------------------------ Ray

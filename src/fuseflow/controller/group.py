@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from fuseflow.data.batch import Batch
+
 from .dispatch import plan_for, restore, shard
 from .worker import Dispatch, dispatch_of, registered_methods
 
@@ -115,12 +117,14 @@ class WorkerGroup(ABC):
             if len(args) < n:
                 raise ValueError(f"{self.role}.{name} (mode 'dp_split') needs the data as its first "
                                  f"{'argument' if n == 1 else f'{n} positional arguments'}, got {len(args)}")
+            if n > 1:  # checked at any k, so one worker fails the way several do
+                _check_aligned(self.role, name, args[:n])
             ranks = list(range(k))
             if k == 1:
                 per_rank = [(args, kwargs)]
             else:
                 plan = plan_for(args[0], k)
-                pieces = [shard(a, plan) for a in _aligned(self.role, name, args[:n])]
+                pieces = [shard(a, plan) for a in args[:n]]
                 per_rank = [((*(p[r] for p in pieces), *args[n:]), kwargs) for r in ranks]
         return self._submit(name, ranks, per_rank, lambda results: self._collect(spec, results, plan))
 
@@ -143,17 +147,16 @@ class WorkerGroup(ABC):
         """Start ``name`` on ``ranks`` with their arguments; the future applies ``collect`` to the results."""
 
 
-def _aligned(role: str, name: str, data: tuple) -> tuple:
-    """The arguments a ``dp_split`` cuts together, checked to hold one row per sample each."""
+def _check_aligned(role: str, name: str, data: tuple) -> None:
+    """Raise unless the arguments a ``dp_split`` cuts together are Batches or lists of one row per sample each."""
     for i, a in enumerate(data):
-        if not hasattr(a, "__len__"):
+        if not isinstance(a, (Batch, list, tuple)):
             raise TypeError(f"{role}.{name} (mode 'dp_split'): argument {i} is split over the ranks and must be a "
                             f"Batch or a list, got {type(a).__name__}")
     lengths = [len(a) for a in data]
     if len(set(lengths)) > 1:
         raise ValueError(f"{role}.{name} (mode 'dp_split'): its first {len(data)} arguments are split together and "
                          f"need one row per sample each, got lengths {lengths}")
-    return data
 
 
 class LocalGroup(WorkerGroup):
