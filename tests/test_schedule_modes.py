@@ -173,9 +173,23 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
         assert round(r["samples_per_second"], 2) == min(r["samples_per_second_runs"])
     for r in out["modes"].values():
         assert r["samples_per_second"] > 0 and 0 < r["busy_fraction"] <= 1 and len(r["reward_per_step"]) == 2
+        # Process CPU time over wall time x cores: positive, and no more than the cores allow.
+        assert r["cpu_seconds_per_step"] > 0 and 0 < r["cpu_utilisation"] <= 1.02
+    least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
+    assert out["speedup_bound"] == pytest.approx(seq["step_seconds"] * out["cores"] / least)
     # fused trains like sequential, so its rewards match step for step
     assert out["modes"]["fused"]["reward_per_step"] == out["modes"]["sequential"]["reward_per_step"]
     assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+def test_speedup_bound_spreads_the_least_cpu_work_over_the_cores():
+    from fuseflow.bench.fusion import speedup_bound
+
+    modes = {"sequential": {"step_seconds": 2.0, "cpu_seconds_per_step": 3.6},
+             "fused": {"step_seconds": 1.9, "cpu_seconds_per_step": 3.2}}
+    assert speedup_bound(modes, 2) == pytest.approx(2.0 / 1.6)  # fused's 3.2 CPU-s on 2 cores: 1.6 s a step
+    assert speedup_bound(modes, 4) == pytest.approx(2.0 / 0.8)
+    assert speedup_bound({"fused": modes["fused"]}, 2) is None  # nothing to compare against
 
 
 @pytest.mark.parametrize("mode,want,side_by_side", [("sequential", 2, False), ("async", 1, True)])

@@ -10,7 +10,12 @@ then inference micro-batches on all of them, then training.
 Figures per mode exclude the first step (warm-up): ``step_seconds`` is the median wall time
 between consecutive step ends (in async modes a step's generation ran during the previous
 one), ``samples_per_second`` is samples over the summed wall time, ``busy_fraction`` the mean
-over steps of the workers' busy fraction from the trace. With ``repeats > 1`` every mode runs
+over steps of the workers' busy fraction from the trace. ``cpu_seconds_per_step`` is the process's
+CPU time per timed step (all threads) and ``cpu_utilisation`` that over wall time times the cores
+this process may use: the trace's busy fraction misses the intra-op threads that ``sequential``
+trains on. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
+gain over ``sequential`` on those cores: sequential's step over (least CPU-seconds per step / cores).
+With ``repeats > 1`` every mode runs
 that many times in alternating order and reports its (lower) median run. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
@@ -18,6 +23,7 @@ that many times in alternating order and reports its (lower) median run. ``speed
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import tempfile
 import time
@@ -50,14 +56,15 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
 
     cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra))
     tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
-    walls, rewards, busy, migrated, stale = [], [], [], [], []
+    walls, cpus, rewards, busy, migrated, stale = [], [], [], [], [], []
     try:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
             m = tr.step(step)
-            now = time.perf_counter()
+            now, now_cpu = time.perf_counter(), time.process_time()
             walls.append(now - last)
-            last = now
+            cpus.append(now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
             rewards.append(m["reward/mean"])
             busy.append(_workers_busy(m, workers))
             migrated.append(m.get("schedule/migrated_samples", 0.0))
@@ -67,10 +74,31 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
         tr.close()
     n = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
     timed = walls[1:] if len(walls) > 1 else walls
+    cpu = sum(cpus[1:] if len(cpus) > 1 else cpus)
     return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
             "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
+            "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * usable_cores()),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
+    """Upper bound on any schedule's speedup over ``sequential``: its step over the least CPU work per step
+    measured in any mode, spread perfectly over ``cores``. None without a sequential run.
+
+    >>> speedup_bound({"sequential": {"step_seconds": 2.0, "cpu_seconds_per_step": 3.6},
+    ...                "fused": {"step_seconds": 1.9, "cpu_seconds_per_step": 3.2}}, 2)
+    1.25
+    """
+    if "sequential" not in modes:
+        return None
+    least = min(r["cpu_seconds_per_step"] for r in modes.values())
+    return modes["sequential"]["step_seconds"] / (least / cores)
 
 
 def _workers_busy(m: dict, workers: int) -> float:
@@ -131,7 +159,10 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
            "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
                         "repeats": repeats,
                         "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
-           "modes": results}
+           "modes": results, "cores": usable_cores()}
+    bound = speedup_bound(results, out["cores"])
+    if bound is not None:
+        out["speedup_bound"] = bound
     if plot is not None:
         out["plot"] = str(plot_reward_vs_time(results, plot))
     if trl_steps:
@@ -171,7 +202,11 @@ def register(bench_app) -> None:
             fail(str(e))
         for name, r in result["modes"].items():
             console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "
-                          f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}", soft_wrap=True)
+                          f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}  "
+                          f"cpu {r['cpu_utilisation']:.2f} of {result['cores']} cores", soft_wrap=True)
+        if "speedup_bound" in result:
+            console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
+                          "over sequential", soft_wrap=True)
         if "speedup_vs_trl" in result:
             console.print(f"speedup_vs_trl {result['speedup_vs_trl']:.2f}x", soft_wrap=True)
         write_result(out, result)
