@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from fuseflow.controller.group import Done, WorkerGroup
 from fuseflow.controller.worker import DistInfo, Worker, register
 from fuseflow.data.batch import Batch
 
@@ -91,3 +92,26 @@ def make_batch(n: int, lengths: list[int] | None = None) -> Batch:
     attn = torch.tensor([[1] * k + [0] * (width - k) for k in lengths])  # (B, T)
     return Batch({"row": torch.arange(n), "attention_mask": attn, "response_mask": attn.float()},
                  {"uid": [f"u{i}" for i in range(n)]})
+
+
+class InlineGroup(WorkerGroup):
+    """k ranks of a role in this process, called one after another: dispatch logic without processes.
+
+    Records the ranks of every call (``called``) and the row count of each rank's first argument
+    (``sent``).
+    """
+
+    def __init__(self, workers):
+        super().__init__(workers[0].role, type(workers[0]), len(workers))
+        self.workers = workers
+        for r, w in enumerate(workers):
+            w.attach(DistInfo(r, len(workers)))
+        self.called: list[list[int]] = []
+        self.sent: list[list[int]] = []
+
+    def _submit(self, name, ranks, per_rank, collect):
+        self.called.append(list(ranks))
+        self.sent.append([len(a[0]) if a and hasattr(a[0], "__len__") else 0 for a, _ in per_rank])
+        outs = [getattr(self.workers[r], name)(*a, **kw) for r, (a, kw) in zip(ranks, per_rank, strict=True)]
+        self._count([0.01] * len(ranks))
+        return Done(collect(outs))

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from controller_fakes import Echo, build_echo, make_batch
+from controller_fakes import Echo, InlineGroup, build_echo, make_batch
 from fuseflow.controller.cluster import LocalCluster
 from fuseflow.controller.dispatch import (
     balanced_split,
@@ -16,26 +16,8 @@ from fuseflow.controller.dispatch import (
     shard,
     to_wire,
 )
-from fuseflow.controller.group import Done, WorkerGroup
-from fuseflow.controller.worker import DistInfo, register
+from fuseflow.controller.worker import register
 from fuseflow.data.batch import Batch
-
-
-class InlineGroup(WorkerGroup):
-    """k ranks of a role in this process, called one after another: dispatch logic without processes."""
-
-    def __init__(self, workers):
-        super().__init__("echo", type(workers[0]), len(workers))
-        self.workers = workers
-        for r, w in enumerate(workers):
-            w.attach(DistInfo(r, len(workers)))
-        self.called: list[list[int]] = []
-
-    def _submit(self, name, ranks, per_rank, collect):
-        self.called.append(list(ranks))
-        outs = [getattr(self.workers[r], name)(*a, **kw) for r, (a, kw) in zip(ranks, per_rank, strict=True)]
-        self._count([0.01] * len(ranks))
-        return Done(collect(outs))
 
 
 def test_balanced_split_by_hand():

@@ -10,9 +10,10 @@ from functools import partial
 import pytest
 import torch
 
+from controller_fakes import InlineGroup
 from fuseflow.config import ConfigError, load_config
 from fuseflow.controller.dispatch import balanced_split, restore, shard
-from fuseflow.controller.group import Done, LocalGroup, WorkerGroup
+from fuseflow.controller.group import LocalGroup
 from fuseflow.controller.worker import DistInfo, dispatch_of, register
 from fuseflow.data.tokenizer import build_char_tokenizer
 from fuseflow.models import ModelConfig, ValueModel
@@ -97,21 +98,6 @@ def test_a_list_cut_by_a_padded_plan_is_padded_too():
     pieces = shard(["a", "b", "c", "d", "e"], plan)
     assert [len(p) for p in pieces] == [3, 3]
     assert restore(pieces, plan) == ["a", "b", "c", "d", "e"]
-
-
-class InlineGroup(WorkerGroup):
-    """k reward workers in this process, called one after another; records what each rank was sent."""
-
-    def __init__(self, workers: list[RewardWorker]):
-        super().__init__("reward", RewardWorker, len(workers))
-        self.workers, self.sent = workers, []
-        for r, w in enumerate(workers):
-            w.attach(DistInfo(r, len(workers)))
-
-    def _submit(self, name, ranks, per_rank, collect):
-        self.sent.append([len(a[0]) for a, _ in per_rank])
-        return Done(collect([getattr(self.workers[r], name)(*a, **kw) for r, (a, kw) in zip(ranks, per_rank,
-                                                                                              strict=True)]))
 
 
 def _tiny_rm(batch_size: int) -> RewardModel:

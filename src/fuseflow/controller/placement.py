@@ -103,8 +103,9 @@ def _blame_widest(pools: dict[str, Any], placement: dict[str, str], dp: dict[str
     if getattr(pools.get(name), "workers_per_node", None) is not None:
         return
     # The widest role sized the pool (rounded up to whole nodes); a training role is blamed as usual.
-    wide = max((r for r, p in placement.items() if p == name), key=dp.__getitem__)
-    if wide in TRAINABLE or dp[wide] <= max(dp[r] for r, p in placement.items() if p == name and r in TRAINABLE):
+    on_pool = [r for r, p in placement.items() if p == name]
+    wide = max(on_pool, key=dp.__getitem__)
+    if wide in TRAINABLE or dp[wide] <= max(dp[r] for r in on_pool if r in TRAINABLE):
         return
     raise ValueError(f"{wide}.dp={dp[wide]} makes pool {name!r} {size} workers, but {role}.dp={dp[role]} must equal "
                      f"its pool's size (a training role shards its model over the whole pool); place {wide} on a "

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fuseflow.sim.batching import group_by_length
+
 
 @dataclass
 class Batch:
@@ -195,26 +197,11 @@ def length_sorted_chunks(batch: Batch, budget: int) -> list[list[int]]:
     the budget forms its own. For inference, and for micro-batches within one training
     mini-batch (PPO's shuffle picks the mini-batch; its rows' order inside does not matter).
     """
-    if budget < 1:
-        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     mask = batch["attention_mask"]  # (B, Tp+Tr)
     tr = batch["response_mask"].shape[1]
     prompt_len = mask[:, : mask.shape[1] - tr].sum(-1).tolist()
     resp_len = mask[:, mask.shape[1] - tr:].sum(-1).tolist()
-    order = sorted(range(len(batch)), key=lambda i: (prompt_len[i] + resp_len[i], i))
-    chunks: list[list[int]] = []
-    cur: list[int] = []
-    lp = lr = 0
-    for i in order:
-        np_, nr = max(lp, prompt_len[i]), max(lr, resp_len[i])
-        if cur and (len(cur) + 1) * (np_ + nr) > budget:
-            chunks.append(cur)
-            cur, np_, nr = [], prompt_len[i], resp_len[i]
-        cur.append(i)
-        lp, lr = np_, nr
-    if cur:
-        chunks.append(cur)
-    return chunks
+    return group_by_length(prompt_len, resp_len, budget)
 
 
 def scatter_rows(parts: Sequence[tuple[Sequence[int], torch.Tensor]], rows: int, width: int,

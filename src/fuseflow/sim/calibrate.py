@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from .batching import group_by_length
 from .costmodel import DecodeModel, Layout, infer_cost, train_cost
 from .generation import Seq, run_replica
 from .hardware import HardwareSpec, get_hardware
@@ -151,17 +152,15 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.n
     shortest first, a group closes when rows x (longest prompt + longest response) would pass
     `budget`), each group cut into pieces of at most `max_rows` rows as training's micro-batches
     are, each piece trimmed to its longest prompt plus longest response (`trim_padding`); a row
-    costs its piece's width. Written again here because the simulator is the lowest layer and
-    may not import the data layer; `tests/test_sim_calibrate_widths.py` pins it to the workers'
-    functions on random batches. `lengths` are real tokens per row; `prompt` (default 0) is the
+    costs its piece's width. The grouping is the workers' own (`sim.batching.group_by_length`);
+    `tests/test_sim_calibrate_widths.py` also pins the widths to the workers' functions on random
+    batches. `lengths` are real tokens per row; `prompt` (default 0) is the
     prompt part of each, since prompt and response are padded separately.
     Example: lengths [6, 3, 3, 2], budget 12, max_rows 8 -> widths [6, 3, 3, 3]
     ([2, 3, 3] fits at width 3, 4 x 6 = 24 does not).
     """
     total = np.asarray(lengths, dtype=int)  # (N,)
     head = np.zeros_like(total) if prompt is None else np.asarray(prompt, dtype=int)  # (N,)
-    if budget < 1:
-        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if head.shape != total.shape:
@@ -173,23 +172,10 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.n
                          f"{int(head[i])} of {int(total[i])} tokens")  # fmt: skip
     tail = total - head  # (N,) response part
     widths = np.empty(len(total), dtype=float)
-
-    def close(group: list[int]) -> None:
-        for k in range(0, len(group), max_rows):
+    for group in group_by_length(head.tolist(), tail.tolist(), budget):
+        for k in range(0, len(group), max_rows):  # training's micro-batches hold at most max_rows rows
             rows = group[k : k + max_rows]
             widths[rows] = int(head[rows].max()) + max(int(tail[rows].max()), 1)  # trim keeps one response column
-
-    group: list[int] = []
-    lp = lr = 0
-    for i in sorted(range(len(total)), key=lambda j: (int(total[j]), j)):
-        p, r = max(lp, int(head[i])), max(lr, int(tail[i]))
-        if group and (len(group) + 1) * (p + r) > budget:
-            close(group)
-            group, p, r = [], int(head[i]), int(tail[i])
-        group.append(i)
-        lp, lr = p, r
-    if group:
-        close(group)
     return widths
 
 

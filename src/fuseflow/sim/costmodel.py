@@ -269,7 +269,7 @@ def mean_sequence_flops(model: ModelSpec, seq_lens: np.ndarray) -> float:
     return model.forward_flops(float(seq_lens.mean()), float((seq_lens * (seq_lens + 1) / 2).mean()))
 
 
-def fused_pipeline_bound(p_a: int, p_c: int, m_a: float, m_c: float, slot_a: float, slot_c: float) -> float:
+def fused_pipeline_bound(p_a: int, p_c: int, m_a: int, m_c: int, slot_a: float, slot_c: float) -> float:
     """Makespan of one fused actor/critic step: the four-term lower bound of issue 8.
 
     A has p_a stages (stage s on device s), C has p_c stages replicated p_a / p_c times in
@@ -280,8 +280,8 @@ def fused_pipeline_bound(p_a: int, p_c: int, m_a: float, m_c: float, slot_a: flo
     (8, 8, 32, 32, 15, 6) gives 702, the bound of RLHFuse's "8,8,32,32,5,2,...".
 
     This is `schedule.pipeline.bounds.lower_bound` for float times: that one takes a
-    `PipelineInstance` of positive integer micro-batch counts and forward units (and rounds
-    the average up), while here slots are seconds and counts come from division. Importing
+    `PipelineInstance` of integer forward units (and rounds the average up), while here slots
+    are seconds; the micro-batch counts are the integers `train_cost` records. Importing
     the scheduling layer would also break the simulator's lowest-layer rule, so a test
     checks the two agree on integer instances instead.
     """
