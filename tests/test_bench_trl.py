@@ -45,3 +45,20 @@ def test_quick_comparison_runs_both_sides_on_the_same_steps(tmp_path, sft_cache)
     # Headline figures skip the warm-up step: 16 samples over the second step's wall time.
     assert f["samples_per_second"] == pytest.approx(16 / f["step_seconds"][1], rel=1e-2)
     json.dumps(r)  # serialisable as written by --out
+
+
+def test_time_of_work_between_steps_goes_to_the_next_step():
+    """`bench trl` waits for async fuseflow's prefetch between steps; that is the next step's generation."""
+    import time
+
+    from fuseflow.bench.trl import _Timer
+
+    t = _Timer()
+    t.start()
+    t.stop()
+    t.for_next_step(lambda: time.sleep(0.05))
+    t.start()
+    t.stop()
+    t.start()
+    t.stop()
+    assert t.wall[0] < 0.05 <= t.wall[1] and t.wall[2] < 0.05  # counted once, in the step after it

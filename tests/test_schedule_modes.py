@@ -176,7 +176,8 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
         # Process CPU time over wall time x cores: positive, and no more than the cores allow.
         assert r["cpu_seconds_per_step"] > 0 and 0 < r["cpu_utilisation"] <= 1.02
     least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
-    assert out["speedup_bound"] == pytest.approx(seq["step_seconds"] * out["cores"] / least)
+    mean_step = seq["samples_per_step"] / seq["samples_per_second"]  # what samples/s, and so each ratio, uses
+    assert out["speedup_bound"] == pytest.approx(mean_step * out["cores"] / least)
     # fused trains like sequential, so its rewards match step for step
     assert out["modes"]["fused"]["reward_per_step"] == out["modes"]["sequential"]["reward_per_step"]
     assert (tmp_path / "reward.png").stat().st_size > 0
@@ -185,7 +186,9 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
 def test_speedup_bound_spreads_the_least_cpu_work_over_the_cores():
     from fuseflow.bench.fusion import speedup_bound
 
-    modes = {"sequential": {"step_seconds": 2.0, "cpu_seconds_per_step": 3.6},
+    # sequential: 256 samples at 128/s is a 2.0 s mean step (its median is not what samples/s uses)
+    modes = {"sequential": {"samples_per_step": 256, "samples_per_second": 128.0, "step_seconds": 1.5,
+                            "cpu_seconds_per_step": 3.6},
              "fused": {"step_seconds": 1.9, "cpu_seconds_per_step": 3.2}}
     assert speedup_bound(modes, 2) == pytest.approx(2.0 / 1.6)  # fused's 3.2 CPU-s on 2 cores: 1.6 s a step
     assert speedup_bound(modes, 4) == pytest.approx(2.0 / 0.8)
@@ -317,15 +320,16 @@ def test_a_dead_rollout_worker_fails_the_step_at_once(tmp_path, sft_cache, monke
 
 def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache, monkeypatch):
     """`bench trl` times fuseflow's steps one by one: the async prefetch must finish inside that time."""
-    import time
+    import threading
 
     from fuseflow.schedule import modes
 
     real = modes.Strategy._generate
+    release = threading.Event()
 
     def slow_background(self, step, drawn, stream, after, foreground):
         if not foreground:
-            time.sleep(1.0)  # the prefetch is surely still running when the step returns
+            release.wait(60.0)  # the prefetch is held until the test lets it go, however slow the machine
         return real(self, step, drawn, stream, after, foreground)
 
     monkeypatch.setattr(modes.Strategy, "_generate", slow_background)
@@ -336,7 +340,9 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
         tr.step(1)
         pending = tr.strategy.prefetch[1]
         assert not pending.done()
+        release.set()
         tr.strategy.finish_prefetch()
         assert pending.done() and pending.exception() is None
     finally:
+        release.set()
         tr.close()

@@ -14,7 +14,8 @@ over steps of the workers' busy fraction from the trace. ``cpu_seconds_per_step`
 CPU time per timed step (all threads) and ``cpu_utilisation`` that over wall time times the cores
 this process may use: the trace's busy fraction misses the intra-op threads that ``sequential``
 trains on. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
-gain over ``sequential`` on those cores: sequential's step over (least CPU-seconds per step / cores).
+gain over ``sequential`` on those cores: sequential's mean step over (least CPU-seconds per step /
+cores), the mean as in samples/s.
 With ``repeats > 1`` every mode runs
 that many times in alternating order and reports its (lower) median run. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
@@ -23,7 +24,6 @@ that many times in alternating order and reports its (lower) median run. ``speed
 from __future__ import annotations
 
 import itertools
-import os
 import statistics
 import tempfile
 import time
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fuseflow.config import load_config
+from fuseflow.schedule.modes import available_cores
 
 from . import cpu_name, write_result
 from .trl import BENCH_OVERRIDES, QUICK_OVERRIDES, bench_config, run_trl_comparison
@@ -77,28 +78,26 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
     cpu = sum(cpus[1:] if len(cpus) > 1 else cpus)
     return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
             "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
-            "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * usable_cores()),
+            "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * available_cores()),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n}
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
-    """Upper bound on any schedule's speedup over ``sequential``: its step over the least CPU work per step
-    measured in any mode, spread perfectly over ``cores``. None without a sequential run.
+    """Upper bound on any schedule's speedup over ``sequential``: its mean step (the one its samples/s
+    comes from) over the least CPU work per step measured in any mode, spread perfectly over ``cores``.
+    None without a sequential run.
 
-    >>> speedup_bound({"sequential": {"step_seconds": 2.0, "cpu_seconds_per_step": 3.6},
-    ...                "fused": {"step_seconds": 1.9, "cpu_seconds_per_step": 3.2}}, 2)
+    >>> speedup_bound({"sequential": {"samples_per_step": 256, "samples_per_second": 128.0,
+    ...                               "cpu_seconds_per_step": 3.6},
+    ...                "fused": {"cpu_seconds_per_step": 3.2}}, 2)
     1.25
     """
     if "sequential" not in modes:
         return None
+    seq = modes["sequential"]
     least = min(r["cpu_seconds_per_step"] for r in modes.values())
-    return modes["sequential"]["step_seconds"] / (least / cores)
+    return seq["samples_per_step"] / seq["samples_per_second"] / (least / cores)
 
 
 def _workers_busy(m: dict, workers: int) -> float:
@@ -159,7 +158,7 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
            "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
                         "repeats": repeats,
                         "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
-           "modes": results, "cores": usable_cores()}
+           "modes": results, "cores": available_cores()}
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound

@@ -33,6 +33,7 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,21 @@ class _Timer:
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self._w = self._c = 0.0
+        self._carry = (0.0, 0.0)  # time of work done early for the next step (wall, cpu)
 
     def start(self) -> None:
         self._w, self._c = time.perf_counter(), time.process_time()
 
     def stop(self) -> None:
-        self.wall.append(time.perf_counter() - self._w)
-        self.cpu.append(time.process_time() - self._c)
+        self.wall.append(time.perf_counter() - self._w + self._carry[0])
+        self.cpu.append(time.process_time() - self._c + self._carry[1])
+        self._carry = (0.0, 0.0)
+
+    def for_next_step(self, work: Callable[[], object]) -> None:
+        """Run ``work`` now, between steps, and count its time in the next step's entry."""
+        w, c = time.perf_counter(), time.process_time()
+        work()
+        self._carry = (self._carry[0] + time.perf_counter() - w, self._carry[1] + time.process_time() - c)
 
 
 def _summary(timer: _Timer, samples_per_step: int, tokens: list[float], warmup: int) -> dict[str, Any]:
@@ -175,9 +184,9 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             torch.set_num_threads(threads)
             ff_timer.start()
             m = ff.step(rl_step)
-            if ff.strategy is not None:  # async: the next step's generation is fuseflow's time, not TRL's
-                ff.strategy.finish_prefetch()
             ff_timer.stop()
+            if ff.strategy is not None:  # async: the next step's generation is fuseflow's time, not TRL's,
+                ff_timer.for_next_step(ff.strategy.finish_prefetch)  # and that step's, as in `bench fusion`
             torch.set_num_threads(trl_threads)
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
             ff_rewards.append(m["reward/mean"])
