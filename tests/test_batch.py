@@ -22,14 +22,6 @@ def test_select_split_concat_round_trip():
     assert torch.equal(back["input_ids"], b["input_ids"]) and back.meta["uid"] == b.meta["uid"]
 
 
-def test_chunk_by_token_budget():
-    b = _batch()  # real lengths 3, 3, 4
-    chunks = b.chunk_by_token_budget(7)
-    assert [c.meta["uid"] for c in chunks] == [[10, 11], [12]]
-    assert [c.meta["uid"] for c in b.chunk_by_token_budget(1)] == [[10], [11], [12]]  # at least one each
-    assert len(b.chunk_by_token_budget(100)) == 1
-
-
 def test_mismatched_sizes_rejected():
     with pytest.raises(ValueError, match="disagree"):
         Batch({"a": torch.zeros(2)}, {"uid": [1, 2, 3]})

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuseflow.schedule.migration import (
+from fuseflow.policy.migration import (
     Move,
     PendingSample,
     WorkerBudget,

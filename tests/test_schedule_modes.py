@@ -12,10 +12,10 @@ import torch
 from fuseflow.bench.trl import QUICK_OVERRIDES
 from fuseflow.config import load_config
 from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.policy.migration import MigrationPlan, Move
 from fuseflow.rollout.base import SamplingParams
 from fuseflow.rollout.engine import Engine, EngineConfig
 from fuseflow.rollout.sampler import make_requests
-from fuseflow.schedule.migration import MigrationPlan, Move
 from fuseflow.schedule.pool import RolloutPool, TaskQueue
 from fuseflow.telemetry import Tracer
 from fuseflow.trainer import RLTrainer

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from fuseflow.policy.pipeline import fused_pipeline_bound
 from fuseflow.sim.costmodel import (
     DecodeModel,
     Layout,
     allreduce_seconds,
-    fused_pipeline_bound,
     fused_train_seconds,
     infer_cost,
     model_state_bytes,

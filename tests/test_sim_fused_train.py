@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fuseflow.policy.pipeline import fused_pipeline_bound
 from fuseflow.sim.costmodel import (
     Layout,
     StageCost,
-    fused_pipeline_bound,
     fused_train_seconds,
     infer_cost,
     train_cost,

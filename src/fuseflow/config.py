@@ -260,7 +260,7 @@ class ScheduleConfig(_Section):
     mode: Literal["sequential", "fused", "async", "fused+async"] = "sequential"
     max_staleness: int = Field(1, ge=0)  # async: versions a trained-on sample may lag the trained policy
     # fused: migrate the tail once unfinished samples <= this fraction of the batch; "auto" picks it from
-    # the previous steps' response lengths (fuseflow.schedule.migration.auto_threshold).
+    # the previous steps' response lengths (fuseflow.policy.migration.auto_threshold).
     migration_threshold: float | Literal["auto"] = 0.2
     # Padded tokens (rows x widest row) per inference and training forward; rows are grouped by length
     # and trimmed, so a long-tailed batch wastes little compute on padding.

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuseflow.sim.batching import group_by_length
+from fuseflow.policy.microbatch import group_by_length
 
 
 @dataclass
@@ -116,22 +116,6 @@ class Batch:
         keys = batches[0].tensors.keys()
         return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in keys},
                      {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta})
-
-    def chunk_by_token_budget(self, budget: int) -> list[Batch]:
-        """Consecutive chunks whose padded size (rows x longest real length) stays within ``budget``.
-
-        Used for inference micro-batches: a chunk always holds at least one sample.
-        """
-        lengths = self.tensors["attention_mask"].sum(-1).tolist()
-        chunks, start, longest = [], 0, 0
-        for i, n in enumerate(lengths):
-            longest_if = max(longest, n)
-            if i > start and longest_if * (i - start + 1) > budget:
-                chunks.append(self.select(range(start, i)))
-                start, longest_if = i, n
-            longest = longest_if
-        chunks.append(self.select(range(start, len(self))))
-        return chunks
 
     def to(self, device: torch.device | str) -> Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))

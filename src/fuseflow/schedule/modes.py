@@ -42,12 +42,12 @@ import torch
 from fuseflow.controller.group import Future as GroupFuture
 from fuseflow.data.batch import Batch, scatter_rows
 from fuseflow.evaluate import decode_response
+from fuseflow.policy.microbatch import TokenBudgetBatcher
+from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import EngineConfig
 from fuseflow.telemetry.gantt import parse_trace, trace_step_metrics
 
-from .microbatch import TokenBudgetBatcher
-from .migration import plan_migration, resolve_threshold, should_migrate
 from .pending import load_pending, save_pending
 from .pool import RolloutPool, TaskQueue
 from .staleness import check_staleness, staleness_metrics

@@ -30,10 +30,9 @@ from concurrent.futures import Future
 
 import torch
 
+from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import Engine, EngineConfig
-
-from .migration import MigrationPlan, PendingSample, WorkerBudget
 
 POLL_S = 0.002  # how long an idle worker waits for a task before looking at its engine again
 

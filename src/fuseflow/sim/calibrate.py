@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .batching import group_by_length
+from fuseflow.policy.microbatch import group_by_length
+
 from .costmodel import DecodeModel, Layout, infer_cost, train_cost
 from .generation import Seq, run_replica
 from .hardware import HardwareSpec, get_hardware
@@ -152,7 +153,7 @@ def trimmed_widths(lengths: np.ndarray, budget: int, max_rows: int, prompt: np.n
     shortest first, a group closes when rows x (longest prompt + longest response) would pass
     `budget`), each group cut into pieces of at most `max_rows` rows as training's micro-batches
     are, each piece trimmed to its longest prompt plus longest response (`trim_padding`); a row
-    costs its piece's width. The grouping is the workers' own (`sim.batching.group_by_length`);
+    costs its piece's width. The grouping is the workers' own (`policy.microbatch.group_by_length`);
     `tests/test_sim_calibrate_widths.py` also pins the widths to the workers' functions on random
     batches. `lengths` are real tokens per row; `prompt` (default 0) is the
     prompt part of each, since prompt and response are padded separately.

@@ -30,6 +30,8 @@ from functools import cached_property
 
 import numpy as np
 
+from fuseflow.policy.pipeline import fused_pipeline_bound
+
 from .hardware import HardwareSpec
 from .modelspec import ModelSpec
 
@@ -267,31 +269,6 @@ def mean_sequence_flops(model: ModelSpec, seq_lens: np.ndarray) -> float:
     """Mean forward FLOPs per causal sequence (matmuls linear in length, attention quadratic)."""
     seq_lens = np.asarray(seq_lens, dtype=float)  # (N,)
     return model.forward_flops(float(seq_lens.mean()), float((seq_lens * (seq_lens + 1) / 2).mean()))
-
-
-def fused_pipeline_bound(p_a: int, p_c: int, m_a: int, m_c: int, slot_a: float, slot_c: float) -> float:
-    """Makespan of one fused actor/critic step: the four-term lower bound of issue 8.
-
-    A has p_a stages (stage s on device s), C has p_c stages replicated p_a / p_c times in
-    the opposite direction; m micro-batches each; a slot is one micro-batch's forward and
-    backward on one stage (forward = slot / 3). The bound is the largest of each model's
-    1F1B critical path (m + p - 1) x slot, a device's work m_a slot_a + m_c slot_c, and
-    per device the earliest arrival + that work + the shortest backward tail. Example:
-    (8, 8, 32, 32, 15, 6) gives 702, the bound of RLHFuse's "8,8,32,32,5,2,...".
-
-    This is `schedule.pipeline.bounds.lower_bound` for float times: that one takes a
-    `PipelineInstance` of integer forward units (and rounds the average up), while here slots
-    are seconds; the micro-batch counts are the integers `train_cost` records. Importing
-    the scheduling layer would also break the simulator's lowest-layer rule, so a test
-    checks the two agree on integer instances instead.
-    """
-    f_a, f_c = slot_a / 3.0, slot_c / 3.0
-    work = m_a * slot_a + m_c * slot_c
-    best = max((m_a + p_a - 1) * slot_a, (m_c + p_c - 1) * slot_c, work)
-    for d in range(p_a):
-        s_a, s_c = d, p_c - 1 - d % p_c
-        best = max(best, min(s_a * f_a, s_c * f_c) + work + min(2 * s_a * f_a, 2 * s_c * f_c))
-    return best
 
 
 def fused_train_seconds(a: StageCost, c: StageCost, pp_a: int, pp_c: int) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fuseflow.schedule.pipeline.bounds import single_model_makespan
+from fuseflow.policy.pipeline import single_model_makespan
 from fuseflow.schedule.pipeline.graph import TaskGraph
 from fuseflow.schedule.pipeline.problem import (
     Evaluation,

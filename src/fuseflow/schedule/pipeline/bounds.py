@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fuseflow.policy.pipeline import arrival_and_tail, single_model_makespan
 from fuseflow.schedule.pipeline.problem import PipelineInstance
 
 
@@ -29,26 +30,6 @@ class LowerBound:
     @property
     def value(self) -> int:
         return max(self.critical_path, self.average_work, self.busiest_device, self.arrival_work_tail)
-
-
-def single_model_makespan(p: int, m: int, f: int) -> int:
-    """Makespan of one model alone under 1F1B with backward = 2 * forward.
-
-    It is also that model's critical-path bound: stage p-1 gets its first input after
-    (p-1)*f, runs m*(f+2f) of work, and its last gradient needs (p-1)*2f more to reach
-    stage 0, which sums to (m + p - 1) * 3f. Example: p=8, m=8, f=5 gives 225.
-    """
-    return (m + p - 1) * 3 * f
-
-
-def arrival_and_tail(inst: PipelineInstance, device: int) -> tuple[int, int]:
-    """Earliest time any work can reach `device`, and the shortest backward tail after its
-    last task (the last task of a device is always a backward, which must then reach stage 0)."""
-    s_a = device
-    s_b = inst.p_b - 1 - device % inst.p_b
-    arrival = min(s_a * inst.f_a, s_b * inst.f_b)
-    tail = min(s_a * 2 * inst.f_a, s_b * 2 * inst.f_b)
-    return arrival, tail
 
 
 def lower_bound(inst: PipelineInstance) -> LowerBound:
@@ -68,7 +49,7 @@ def lower_bound(inst: PipelineInstance) -> LowerBound:
     busiest = max(works)
     best, tight = -1, 0
     for d in range(n):
-        arrival, tail = arrival_and_tail(inst, d)
+        arrival, tail = arrival_and_tail(d, inst.p_b, inst.f_a, inst.f_b)
         value = arrival + works[d] + tail
         if value > best:
             best, tight = value, d
