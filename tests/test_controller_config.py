@@ -11,7 +11,7 @@ def test_default_is_local_and_one_colocated_pool():
     assert cfg.backend == "local" and cfg.role_dp() == {"actor": 1, "reference": 1, "critic": 1, "reward": 1}
     p = cfg.resolved_placement()
     assert list(p.pools) == ["main"] and p.pools["main"].size == 1
-    assert p.roles_on("main") == ["actor", "reference", "critic", "reward"]
+    assert set(p.role_pool.values()) == {"main"} and list(p.role_pool) == ["actor", "reference", "critic", "reward"]
 
 
 def test_acceptance_command_colocated_and_split():
@@ -21,7 +21,7 @@ def test_acceptance_command_colocated_and_split():
     assert colo.dp == {"actor": 2, "reference": 2, "critic": 2, "reward": 1}  # reference follows actor.dp
     split = load_config("default", [*base, "placement.critic=critic"]).resolved_placement()
     assert {n: p.size for n, p in split.pools.items()} == {"main": 2, "critic": 2}
-    assert split.roles_on("critic") == ["critic"] and split.cpus_needed() == 4.0
+    assert [r for r, q in split.role_pool.items() if q == "critic"] == ["critic"] and split.cpus_needed() == 4.0
 
 
 def test_explicit_pool_resources():

@@ -39,7 +39,7 @@ def test_a_reward_pool_is_sized_by_reward_dp():
     # A pool not listed in `pools` gets reward.dp 1-CPU workers; the training pool keeps actor.dp.
     p = load_config("default", ["backend=ray", "reward.dp=3", "placement.reward=rm"]).resolved_placement()
     assert {n: v.size for n, v in p.pools.items()} == {"main": 1, "rm": 3}
-    assert p.roles_on("rm") == ["reward"] and p.dp["reward"] == 3 and p.cpus_needed() == 4.0
+    assert [r for r, q in p.role_pool.items() if q == "rm"] == ["reward"] and p.dp["reward"] == 3 and p.cpus_needed() == 4.0
     # Colocated with a dp=2 actor: the reward uses both processes of the shared pool.
     colo = load_config("default", ["backend=ray", "reward.dp=2", "actor.dp=2"]).resolved_placement()
     assert {n: v.size for n, v in colo.pools.items()} == {"main": 2} and colo.dp["reward"] == 2

@@ -55,7 +55,7 @@ def _same_training(a, b):
             assert torch.allclose(x[k] * mask, y[k] * mask, atol=1e-5), k
     for x, y in zip(ma, mb, strict=True):
         for k, v in x.items():
-            if not k.startswith(("time/", "perf/", "trace/", "schedule/", "async/")):
+            if not k.startswith(("time/", "perf/", "trace/", "schedule/", "async/", "elastic/")):
                 assert y[k] == pytest.approx(v, rel=1e-3, abs=1e-5), k
 
 
@@ -110,8 +110,8 @@ def test_migrated_samples_keep_their_tokens():
     assert moved == len(on_src) and not pool.engines[0].has_unfinished()
     tasks = TaskQueue()
     tasks.closed.set()
-    for th in pool.run(1, [[], []], lambda _w, s: got.setdefault(s.uid, s.response_ids), tasks):
-        th.join()
+    pool.run(1, [[], []], lambda _w, s: got.setdefault(s.uid, s.response_ids), tasks)
+    pool.join()
     assert got == want
 
 
@@ -129,13 +129,12 @@ def test_background_workers_yield_the_cpu_until_training_ends():
     tasks = TaskQueue()
     done = tasks.submit(task)
     tasks.closed.set()
-    threads = pool.run(1, [[]], lambda _w, _s: None, tasks, background=True)
+    pool.run(1, [[]], lambda _w, _s: None, tasks, background=True)
     while not seen:
         threading.Event().wait(0.001)
     pool.restore_priority()  # root may leave SCHED_IDLE; without the privilege the worker keeps it
     release.set()
-    for th in threads:
-        th.join()
+    pool.join()
     done.result()
     assert seen[0] == os.SCHED_IDLE
     assert seen[1] in ((os.SCHED_OTHER,) if os.geteuid() == 0 else (os.SCHED_OTHER, os.SCHED_IDLE))
@@ -149,7 +148,14 @@ def test_schedule_config_errors_name_the_field():
     for bad, words in ((["schedule.migration_threshold=1.5"], "migration_threshold=1.5"),
                        (["schedule.mode=async", "algorithm.policy_loss=ppo"], "policy_loss=decoupled"),
                        (["schedule.mode=fused", "rollout.backend=sampler"], "rollout.backend=engine"),
-                       (["schedule.mode=fused", "backend=ray"], "backend=local")):
+                       (["schedule.mode=fused", "backend=ray"], "backend=local"),
+                       (["schedule.rollout_workers=2", "backend=ray"], "backend=local"),
+                       (["schedule.mode=elastic"], "schedule.rollout_workers >= 2"),
+                       (["schedule.mode=fused+elastic", "schedule.rollout_workers=1"], "rollout_workers >= 2"),
+                       (["schedule.mode=elastic", "schedule.rollout_workers=2", "schedule.elastic_slowdown=-1"],
+                        "elastic_slowdown"),
+                       (["schedule.predictor_window=0"], "predictor_window"),
+                       (["schedule.max_staleness=-1"], "max_staleness")):
         with pytest.raises(ConfigError, match=words):
             load_config("sort", bad)
 
@@ -157,14 +163,14 @@ def test_schedule_config_errors_name_the_field():
 def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     from fuseflow.bench.fusion import run_fusion
 
-    out = run_fusion(steps=2, workers=2, quick=True, modes=("sequential", "fused"), trl_steps=0,
+    out = run_fusion(steps=2, workers=2, quick=True, modes=("sequential", "fused+elastic"), trl_steps=0,
                      plot=tmp_path / "reward.png", work_dir=tmp_path, extra=[f"cache_dir={sft_cache}"],
                      log=lambda *_: None, repeats=2)
-    assert set(out["modes"]) == {"sequential", "fused"}
+    assert set(out["modes"]) == {"sequential", "fused+elastic"}
     assert out["modes"]["sequential"]["speedup_vs_sequential"] == 1.0
     assert out["modes"]["sequential"]["speedup_vs_sequential_runs"] == [1.0, 1.0]
     # Each repeat's ratio pairs fused with the sequential run of the same repeat.
-    seq, fused = out["modes"]["sequential"], out["modes"]["fused"]
+    seq, fused = out["modes"]["sequential"], out["modes"]["fused+elastic"]
     assert fused["speedup_vs_sequential_runs"] == [
         pytest.approx(f / s, rel=1e-2) for f, s in zip(fused["samples_per_second_runs"], seq["samples_per_second_runs"],
                                                        strict=True)]
@@ -178,8 +184,12 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
     mean_step = seq["samples_per_step"] / seq["samples_per_second"]  # what samples/s, and so each ratio, uses
     assert out["speedup_bound"] == pytest.approx(mean_step * out["cores"] / least)
-    # fused trains like sequential, so its rewards match step for step
-    assert out["modes"]["fused"]["reward_per_step"] == out["modes"]["sequential"]["reward_per_step"]
+    # fused+elastic trains like sequential, so its rewards match step for step
+    assert fused["reward_per_step"] == seq["reward_per_step"]
+    # Worker-seconds: sequential holds both workers for its whole (timed) step; elastic only while they work.
+    assert seq["worker_seconds"] == pytest.approx(2 * seq["step_wall_seconds"][1], rel=0.05)
+    assert 0 < fused["worker_seconds"] < seq["worker_seconds"]
+    assert fused["worker_seconds_vs_sequential"] == pytest.approx(fused["worker_seconds"] / seq["worker_seconds"])
     assert (tmp_path / "reward.png").stat().st_size > 0
 
 
@@ -324,7 +334,7 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
 
     from fuseflow.schedule import modes
 
-    real = modes.Strategy._generate
+    real = modes.Pooled._generate
     release = threading.Event()
 
     def slow_background(self, step, drawn, stream, after, foreground):
@@ -332,7 +342,7 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
             release.wait(60.0)  # the prefetch is held until the test lets it go, however slow the machine
         return real(self, step, drawn, stream, after, foreground)
 
-    monkeypatch.setattr(modes.Strategy, "_generate", slow_background)
+    monkeypatch.setattr(modes.Pooled, "_generate", slow_background)
     cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=2", "trainer.eval_every=100",
                                "trainer.save_every=100", f"cache_dir={sft_cache}", "schedule.mode=async"])
     tr = RLTrainer(cfg, tmp_path / "run", log=lambda *_: None)

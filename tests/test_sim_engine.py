@@ -58,7 +58,8 @@ def test_sorted_chunks_groups_long_prompts_together():
     seqs = [Seq(i, 4, 1, group=i // 2) for i in range(8)]
     keys = np.array([1, 1, 9, 9, 5, 5, 2, 2], dtype=float)
     parts = sorted_chunks(seqs, keys, 2)
-    assert [[s.id for s in p] for p in parts] == [[2, 3, 4, 5], [6, 7, 0, 1]]
+    # Predicted tokens 18 (group 1), 10, 4, 2 of 34: group 1 fills the first replica's half alone.
+    assert [[s.id for s in p] for p in parts] == [[2, 3], [4, 5, 6, 7, 0, 1]]
 
 
 def test_gpu_pool_greedy_takes_everything_free():

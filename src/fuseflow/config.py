@@ -254,10 +254,13 @@ class ScheduleConfig(_Section):
     goes on, and the long tail migrates onto fewer rollout workers. async: generation for step
     t+1 overlaps training of step t, at most ``max_staleness`` versions behind (the decoupled
     loss is then the default). Generation runs one step ahead, so samples are at most one
-    version old: a bound above 1 is respected but does not prefetch further. fused+async: both.
+    version old: a bound above 1 is respected but does not prefetch further. elastic
+    (RLHFless): each step uses as many of the ``rollout_workers`` as the cost-aware rule picks
+    from predicted response lengths, deals prompts to them by predicted length and releases
+    each as soon as it has no work. fused+async, fused+elastic: both.
     """
 
-    mode: Literal["sequential", "fused", "async", "fused+async"] = "sequential"
+    mode: Literal["sequential", "fused", "async", "fused+async", "elastic", "fused+elastic"] = "sequential"
     max_staleness: int = Field(1, ge=0)  # async: versions a trained-on sample may lag the trained policy
     # fused: migrate the tail once unfinished samples <= this fraction of the batch; "auto" picks it from
     # the previous steps' response lengths (fuseflow.policy.migration.auto_threshold).
@@ -265,22 +268,34 @@ class ScheduleConfig(_Section):
     # Padded tokens (rows x widest row) per inference and training forward; rows are grouped by length
     # and trimmed, so a long-tailed batch wastes little compute on padding.
     token_budget: int = Field(4096, gt=0)
-    rollout_workers: int = Field(1, ge=1)  # fused: engines that generate side by side (one thread each)
+    rollout_workers: int = Field(1, ge=1)  # engines that generate side by side (one thread each); elastic's most
+    # elastic: the cheapest replica count whose step is at most (1 + elastic_slowdown) x the fastest count's.
+    elastic_slowdown: float = Field(0.1, ge=0.0)
+    # elastic: a prompt's predicted response length is the mean of its last predictor_window observations
+    # (one per step it was drawn in); a prompt never seen gets the last step's mean length.
+    predictor_window: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _threshold_is_a_fraction(self) -> ScheduleConfig:
         t = self.migration_threshold
         if t != "auto" and not 0.0 < t < 1.0:
             raise ValueError(f"schedule.migration_threshold={t} must be a fraction in (0, 1) or 'auto'")
+        if self.elastic and self.rollout_workers < 2:
+            raise ValueError(f"schedule.mode={self.mode} chooses how many rollout workers each step uses; it needs "
+                             f"schedule.rollout_workers >= 2 (got {self.rollout_workers})")
         return self
 
     @property
     def fused(self) -> bool:
-        return self.mode in ("fused", "fused+async")
+        return self.mode.split("+")[0] == "fused"
 
     @property
     def asynchronous(self) -> bool:
-        return self.mode in ("async", "fused+async")
+        return "async" in self.mode.split("+")
+
+    @property
+    def elastic(self) -> bool:
+        return "elastic" in self.mode.split("+")
 
 
 class Config(_Section):
@@ -322,17 +337,17 @@ class Config(_Section):
     @model_validator(mode="after")
     def _schedule_fits(self) -> Config:
         s = self.schedule
-        if s.mode == "sequential":
+        if s.mode == "sequential" and s.rollout_workers == 1:
             return self
+        what = f"schedule.mode={s.mode}" + (f" with schedule.rollout_workers={s.rollout_workers}"
+                                            if s.mode == "sequential" else "")
         if self.backend != "local":
-            raise ValueError(f"schedule.mode={s.mode} runs its stages on threads of this process; it needs "
-                             f"backend=local (got backend={self.backend}), or use schedule.mode=sequential")
+            raise ValueError(f"{what} runs its rollout workers on threads of this process; it needs "
+                             f"backend=local (got backend={self.backend}), or use schedule.mode=sequential "
+                             "schedule.rollout_workers=1")
         if self.rollout.backend != "engine":
-            raise ValueError(f"schedule.mode={s.mode} streams and migrates samples with the rollout engine; set "
+            raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
                              f"rollout.backend=engine (got {self.rollout.backend})")
-        if self.algorithm.dynamic_sampling:
-            raise ValueError(f"schedule.mode={s.mode} does not draw extra prompts; algorithm.dynamic_sampling "
-                             "needs schedule.mode=sequential")
         if s.asynchronous and self.algorithm.policy_loss != "decoupled":
             raise ValueError(f"schedule.mode={s.mode} trains on samples of an older policy; it needs "
                              f"algorithm.policy_loss=decoupled (got {self.algorithm.policy_loss})")

@@ -14,17 +14,13 @@ Everything else here is set-up, checkpointing and bookkeeping around it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,35 +28,22 @@ from fuseflow.algorithms import kl_penalty, masked_mean
 from fuseflow.checkpoint import latest_checkpoint, read_state, save_checkpoint
 from fuseflow.config import Config
 from fuseflow.controller.cluster import make_cluster
-from fuseflow.controller.group import Future, WorkerGroup
-from fuseflow.data.batch import Batch, unpad
+from fuseflow.controller.group import WorkerGroup
+from fuseflow.data.batch import Batch
 from fuseflow.data.tokenizer import load_tokenizer
-from fuseflow.evaluate import decode_response, encode_prompts
+from fuseflow.evaluate import encode_prompts
 from fuseflow.models import resolve_device
-from fuseflow.recipes import (
-    LagrangeMultiplier,
-    compute_advantages,
-    informative_groups,
-    kl_controller,
-    observed_kl,
-    overlong_penalty,
-    recipe_for,
-)
+from fuseflow.recipes import LagrangeMultiplier, compute_advantages, kl_controller, observed_kl, recipe_for
 from fuseflow.reward_model import RewardModel
-from fuseflow.rollout.base import RolloutRequest, SamplingParams
-from fuseflow.rollout.sampler import make_requests
 from fuseflow.schedule.modes import make_strategy
+from fuseflow.schedule.stages import CRITIC_PREFIX, Roles, Stages
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
 from fuseflow.telemetry import MetricsLogger, Tracer
 from fuseflow.workers.actor import ActorWorker, ReferenceWorker
 from fuseflow.workers.build import RoleContext, build_actor, build_critic, build_reference, build_reward
-from fuseflow.workers.common import samples_to_batch
 from fuseflow.workers.critic import CriticWorker
-from fuseflow.workers.reward import RewardOutput, RewardWorker
-
-CRITIC_PREFIX = {"critic": "", "cost_critic": "cost_"}  # the batch fields each critic reads and fills
-REWARD_FIELDS = ("scores", "correct", "fn_scores", "rm_scores", "costs")  # RewardOutput's (B,) fields
+from fuseflow.workers.reward import RewardWorker
 
 
 class PromptStream:
@@ -91,7 +74,6 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.train_prompts = self.task.train_prompts()
         self.train_ids = encode_prompts(self.tokenizer, self.train_prompts, cfg.model.max_prompt_len)
-        self.eval_prompts = self.task.eval_prompts()[: cfg.trainer.eval_size]
         # Started first, so a wrong ray.address fails before minutes of SFT.
         self.cluster = make_cluster(cfg, run_name=f"{self.run_dir.name}-{uuid.uuid4().hex[:6]}")
         try:
@@ -103,7 +85,10 @@ class RLTrainer:
         self.metrics = MetricsLogger(self.run_dir, resume_step=self.start_step if resume else None)
         if resume:
             self.tracer.drop_after(self.start_step)
-        self.strategy = make_strategy(self)  # schedule.mode: None runs make_experience's stages in order
+        # schedule.mode: when and where generation, inference and training run; the step below is the same.
+        self.stages = Stages(cfg, Roles(self.actor, self.reference, self.reward, self.critics), self.tokenizer,
+                             self.train_prompts, self.train_ids, self.stream, self.tracer, self.recipe)
+        self.strategy = make_strategy(self.stages, self.resumed_from, self.start_step)
 
     # ----------------------------------------------------------------- set-up
     def _setup_workers(self, resume: bool) -> None:
@@ -184,13 +169,12 @@ class RLTrainer:
                                                    seed=cfg.seed + 7 * step) for c in self.critics}
             updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
                                               seed=cfg.seed + step)
-            train = self.strategy.train if self.strategy else self.overlap
-            for m in train(step, updates).values():
+            for m in self.strategy.train(step, updates).values():
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
             self.actor.sync_weights(step)  # in-process: shared weights, the version moves on
-        metrics |= self.strategy.step_metrics(step) if self.strategy else {}  # busy fractions, long tail
+        metrics |= self.strategy.step_metrics(step)  # worker-seconds, busy fractions, long tail
         seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())
         metrics |= {f"time/{name}": sec for name, sec in self.tracer.seconds_for(step).items()}
@@ -201,144 +185,8 @@ class RLTrainer:
         return metrics
 
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """Generate, score and infer: the stages a scheduling strategy (fused, async) may take over."""
-        if self.strategy is not None:
-            return self.strategy.make_experience(step)
-        batch, metrics = self.rollout(step)  # spans generate + reward; dapo's dynamic sampling draws more
-        if self.recipe.greedy_baseline:
-            with self.tracer.span("greedy_baseline", step):
-                batch["baseline_scores"] = self.greedy_baseline(batch, step)
-        # Reward critic: "values"; safe_ppo's cost critic: "cost_values".
-        calls = {"old_logprob": partial(self.actor.compute_logprobs.future, batch),
-                 "reference": partial(self.reference.compute_logprobs.future, batch)}
-        calls |= {f"{CRITIC_PREFIX[c.role]}values": partial(c.compute_values.future, batch) for c in self.critics}
-        out = self.overlap(step, calls)
-        batch["old_logprobs"], batch["ref_logprobs"] = out.pop("old_logprob"), out.pop("reference")
-        for key, values in out.items():
-            batch[key] = values
-        return batch, metrics
-
-    def overlap(self, step: int, calls: dict[str, Callable[[], Future]]) -> dict[str, Any]:
-        """Start every call, then collect each: on Ray, groups on different pools compute at the same time.
-
-        Each call's span covers its start and its wait (in-process calls run as they start);
-        colocated groups share processes, so their calls still run one after another.
-        """
-        futures = {}
-        for name, start in calls.items():
-            with self.tracer.span(name, step):
-                futures[name] = start()
-        out = {}
-        for name, future in futures.items():
-            with self.tracer.span(name, step):
-                out[name] = future.result()
-        return out
-
-    @property
-    def sampling(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(r.temperature, r.top_p, r.top_k, False, self.cfg.model.max_response_len,
-                              (self.tokenizer.eos_token_id,))
-
-    # --------------------------------------------------- rollout and scoring
-    def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """``prompts_per_step`` groups, generated and scored, packed as a ``Batch``.
-
-        With ``algorithm.dynamic_sampling`` (DAPO), groups whose scores are all equal carry
-        no group-relative signal and are dropped; more prompts are drawn, sized by the keep
-        rate so far, for at most ``max_extra_draws`` more rounds. A batch still short after
-        that is topped up with dropped groups, so its shape never changes.
-        """
-        a, need = self.cfg.algorithm, self.cfg.trainer.prompts_per_step
-        kept: list[list[int]] = []  # sample indices of each kept group, in draw order
-        spare: list[list[int]] = []
-        pool: list[tuple] = []  # (sample, prompt, text) of every drawn sample
-        outs: list[RewardOutput] = []
-        drawn = 0
-        for rnd in range(1 + (a.max_extra_draws if a.dynamic_sampling else 0)):
-            n = need if rnd == 0 else min(need, math.ceil((need - len(kept)) / max(len(kept) / drawn, 0.1)))
-            base = len(pool)
-            samples, prompts, texts, out = self._draw(step, rnd, n, drawn)
-            pool += list(zip(samples, prompts, texts, strict=True))
-            outs.append(out)
-            drawn += n
-            groups: dict[int, list[int]] = {}
-            for i, s in enumerate(samples):
-                groups.setdefault(s.group_id, []).append(base + i)
-            useful = (informative_groups(out.scores, [s.group_id for s in samples]) if a.dynamic_sampling
-                      else dict.fromkeys(groups, True))
-            for g, idx in groups.items():
-                (kept if useful[g] else spare).append(idx)
-            if len(kept) >= need:
-                break
-        topped_up = max(0, need - len(kept))
-        chosen = [i for idx in kept[:need] + spare[:topped_up] for i in idx]
-        samples, prompts, texts = (list(x) for x in zip(*[pool[i] for i in chosen], strict=True))
-        fields = {k: torch.cat([getattr(o, k) for o in outs])[chosen] for k in REWARD_FIELDS
-                  if getattr(outs[0], k) is not None}
-        batch = self.to_batch(samples, prompts, texts, fields)
-        metrics = {}
-        if a.dynamic_sampling:
-            metrics = {"dapo/prompts_drawn": float(drawn), "dapo/groups_dropped": float(drawn - len(kept)),
-                       "dapo/groups_topped_up": float(topped_up), "dapo/draw_rounds": float(len(outs))}
-        if a.overlong_buffer:
-            metrics["reward/overlong_penalty"] = float(self.shaping(samples).mean())
-        return batch, metrics
-
-    def _draw(self, step: int, rnd: int, n: int, offset: int) -> tuple[list, list, list[str], RewardOutput]:
-        """Generate and score ``n`` fresh prompts x ``group_size`` samples (group ids from ``offset``)."""
-        span, g = self.tracer.span, self.cfg.algorithm.group_size
-        requests, prompts = self.requests_for(step, rnd, n, offset)
-        with span("generate", step):
-            samples = [dataclasses.replace(s, uid=s.uid + offset * g) for s in self.actor.generate(requests)]
-            texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
-        with span("reward", step):
-            out = self.reward.score(prompts, texts)
-            out.scores = out.scores + self.shaping(samples)
-        return samples, prompts, texts, out
-
-    def requests_for(self, step: int, rnd: int, n: int, offset: int) -> tuple[list[RolloutRequest], list]:
-        """``n`` fresh prompts x ``group_size`` seeded requests for ``step`` and each request's task prompt.
-
-        Seeds depend on the step and draw round only (round 0 keeps the seeds of a run without
-        dynamic sampling), so every schedule mode draws the same tokens for the same step.
-        """
-        cfg, g = self.cfg, self.cfg.algorithm.group_size
-        idx = self.stream.take(n)
-        prompts = [self.train_prompts[i] for i in idx for _ in range(g)]
-        requests = make_requests([self.train_ids[i] for i in idx], self.sampling, g,
-                                 seed=cfg.seed * 100_003 + step + rnd * 10_000_019, group_offset=offset)
-        return requests, prompts
-
-    def to_batch(self, samples: list, prompts: list, texts: list[str], fields: dict[str, torch.Tensor]) -> Batch:
-        """Finished, scored samples packed as a ``Batch``; ``fields`` are per-sample (B,) reward outputs."""
-        batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
-        batch.meta["task_prompt"] = prompts  # the task's Prompt objects (answers, metadata) per sample
-        for k, v in fields.items():
-            batch[k] = v
-        return batch
-
-    def shaping(self, samples: list) -> torch.Tensor:
-        """Per-sample score shaping (B,): DAPO's overlong penalty, zeros when it is off."""
-        a = self.cfg.algorithm
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        return overlong_penalty(lengths, self.cfg.model.max_response_len, a.overlong_buffer, a.overlong_penalty)
-
-    def greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
-        """ReMax baseline (B,): the score of one greedy response per prompt, shared by its group."""
-        first: dict[int, int] = {}
-        for i, gid in enumerate(batch.meta["group_id"]):
-            first.setdefault(gid, i)
-        tp = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-        params = dataclasses.replace(self.sampling, greedy=True)
-        requests = [RolloutRequest(k, unpad(batch["input_ids"][i, :tp], batch["attention_mask"][i, :tp]), params, gid)
-                    for k, (gid, i) in enumerate(first.items())]
-        samples = self.actor.generate(requests)
-        texts = [decode_response(self.tokenizer, s.response_ids) for s in samples]
-        prompts = [batch.meta["task_prompt"][i] for i in first.values()]
-        scores = self.reward.score(prompts, texts).scores + self.shaping(samples)  # (G,)
-        by_group = dict(zip(first, scores.tolist(), strict=True))
-        return torch.tensor([by_group[gid] for gid in batch.meta["group_id"]])
+        """Generate, score and infer (old/reference log-probs, values): the part ``schedule.mode`` schedules."""
+        return self.strategy.make_experience(step)
 
     def rollout_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
@@ -383,19 +231,18 @@ class RLTrainer:
         """A checkpoint: each trainable group writes its model and optimizer from its own processes."""
         # An async run has drawn the next step's prompts already: a resume draws them again and
         # takes that step's samples from the checkpoint (Strategy.save).
-        cursor = self.strategy.cursor() if self.strategy else self.stream.cursor
+        cursor = self.strategy.cursor()
         state = {"cursor": cursor, "evals": self.evals, "kl_coef": self.kl_ctl.value}
         if self.lagrange:
             state["lagrange"] = self.lagrange.value
         writers = [lambda d, g=g: g.save(str(d)) for g in self.trainable_groups()]
-        writers += [self.strategy.save] if self.strategy else []
+        writers.append(self.strategy.save)
         path = save_checkpoint(self.run_dir, step, state, writers)
         self.tracer.save()
         return path
 
     def close(self) -> None:
-        if self.strategy:
-            self.strategy.close()
+        self.strategy.close()
         self.tracer.save()
         self.metrics.close()
         self.cluster.shutdown()

@@ -15,7 +15,9 @@ CPU time per timed step (all threads) and ``cpu_utilisation`` that over wall tim
 this process may use: the trace's busy fraction misses the intra-op threads that ``sequential``
 trains on. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
 gain over ``sequential`` on those cores: sequential's mean step over (least CPU-seconds per step /
-cores), the mean as in samples/s.
+cores), the mean as in samples/s. ``worker_seconds`` is the mean per timed step of
+``time/rollout_worker_seconds``: the reserved modes hold every rollout worker for the whole step,
+``elastic`` only while a worker has generation or inference to run (RLHFless's billing).
 With ``repeats > 1`` every mode runs
 that many times in alternating order and reports its (lower) median run. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
@@ -37,7 +39,7 @@ from fuseflow.schedule.modes import available_cores
 from . import cpu_name, write_result
 from .trl import BENCH_OVERRIDES, QUICK_OVERRIDES, bench_config, run_trl_comparison
 
-MODES = ("sequential", "fused", "async", "fused+async")
+MODES = ("sequential", "fused", "async", "fused+async", "elastic", "fused+elastic")
 PPO = ("algorithm.name=ppo", "algorithm.kl_in_reward=true", "trainer.eval_every=1000", "trainer.save_every=1000")
 
 
@@ -57,7 +59,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
 
     cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra))
     tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
-    walls, cpus, rewards, busy, migrated, stale = [], [], [], [], [], []
+    walls, cpus, rewards, busy, migrated, stale, held = [], [], [], [], [], [], []
     try:
         last, last_cpu = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
@@ -70,6 +72,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             busy.append(_workers_busy(m, workers))
             migrated.append(m.get("schedule/migrated_samples", 0.0))
             stale.append(m.get("async/staleness_mean", 0.0))
+            held.append(m["time/rollout_worker_seconds"])
             log(f"{mode} step {step}: {walls[-1]:.1f}s reward {rewards[-1]:.3f} busy {busy[-1]:.2f}")
     finally:
         tr.close()
@@ -79,6 +82,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
     return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
             "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
             "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * available_cores()),
+            "worker_seconds": statistics.mean(held[1:] if len(held) > 1 else held),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n}
 
@@ -147,8 +151,10 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         results[m] = ordered[(len(ordered) - 1) // 2] | {
             "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs]}
     base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
+    seq_held = results.get("sequential", next(iter(results.values())))["worker_seconds"]
     for r in results.values():
         r["speedup_vs_sequential"] = r["samples_per_second"] / base
+        r["worker_seconds_vs_sequential"] = r["worker_seconds"] / seq_held
     if "sequential" in runs:  # per-repeat ratios: each mode against the sequential run of the same repeat
         for m, r in results.items():
             r["speedup_vs_sequential_runs"] = [round(x["samples_per_second"] / b["samples_per_second"], 3)
@@ -187,7 +193,7 @@ def register(bench_app) -> None:
                      repeats: int = typer.Option(1, "--repeats", help="Runs per mode, order alternating; median."),
                      quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
                      ) -> None:
-        """PPO on `sort` in sequential, fused, async and fused+async; samples/s per mode; GRPO vs TRL."""
+        """PPO on `sort` in every execution mode; samples/s and worker-seconds per mode; GRPO vs TRL."""
         from fuseflow.config import ConfigError
         from fuseflow.console import console, fail
 
@@ -202,6 +208,7 @@ def register(bench_app) -> None:
         for name, r in result["modes"].items():
             console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "
                           f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}  "
+                          f"worker-s {r['worker_seconds']:.2f} (x{r['worker_seconds_vs_sequential']:.2f})  "
                           f"cpu {r['cpu_utilisation']:.2f} of {result['cores']} cores", soft_wrap=True)
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "

@@ -185,8 +185,8 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             ff_timer.start()
             m = ff.step(rl_step)
             ff_timer.stop()
-            if ff.strategy is not None:  # async: the next step's generation is fuseflow's time, not TRL's,
-                ff_timer.for_next_step(ff.strategy.finish_prefetch)  # and that step's, as in `bench fusion`
+            # async: the next step's generation is fuseflow's time, not TRL's, and that step's, as in `bench fusion`
+            ff_timer.for_next_step(ff.strategy.finish_prefetch)
             torch.set_num_threads(trl_threads)
             ff_tokens.append(m["rollout/response_length_mean"] * m["rollout/num_samples"])
             ff_rewards.append(m["reward/mean"])

@@ -46,9 +46,6 @@ class Placement:
     role_pool: dict[str, str]
     dp: dict[str, int]
 
-    def roles_on(self, pool: str) -> list[str]:
-        return [r for r, p in self.role_pool.items() if p == pool]
-
     def cpus_needed(self) -> float:
         return sum(p.size * p.cpus_per_worker for p in self.pools.values())
 

@@ -55,37 +55,6 @@ class KVCache:
             tuple(v.index_select(0, idx) for v in self.values),
         )
 
-    def reorder(self, batch_indices: Tensor | list[int]) -> KVCache:
-        """Alias of `select` (the beam-search name for the same row gather)."""
-        return self.select(batch_indices)
-
-    def pad_left(self, seq_len: int) -> KVCache:
-        """Zero-pad on the left to `seq_len` positions so caches of different lengths can be concatenated;
-        extend `attention_mask` with the same number of 0 columns on the left."""
-        extra = seq_len - self.seq_len
-        if extra < 0:
-            raise ValueError(f"pad_left(seq_len={seq_len}) is shorter than the cache ({self.seq_len})")
-        if extra == 0:
-            return self
-        return KVCache(
-            tuple(F.pad(k, (0, 0, extra, 0)) for k in self.keys),
-            tuple(F.pad(v, (0, 0, extra, 0)) for v in self.values),
-        )
-
-    @staticmethod
-    def concat(caches: list[KVCache]) -> KVCache:
-        """Stack caches along the batch; pad them to a common `seq_len` first with `pad_left`."""
-        lens = {c.seq_len for c in caches}
-        if len(lens) != 1:
-            raise ValueError(
-                f"caches have different seq_len {sorted(lens)}; pad_left them to one length first"
-            )
-        n_layers = len(caches[0].keys)
-        return KVCache(
-            tuple(torch.cat([c.keys[i] for c in caches]) for i in range(n_layers)),
-            tuple(torch.cat([c.values[i] for c in caches]) for i in range(n_layers)),
-        )
-
 
 @dataclass
 class CausalLMOutput:

@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -84,6 +85,10 @@ class TaskQueue:
     def empty(self) -> bool:
         return self._q.empty()
 
+    def pending(self) -> int:
+        """Tasks waiting for a thread (approximate while threads take them)."""
+        return self._q.qsize()
+
 
 class RolloutPool:
     """``n`` rollout workers over one model (the actor's own weights, or a rollout copy in async mode).
@@ -105,6 +110,14 @@ class RolloutPool:
         self.errors: dict[int, BaseException] = {}  # worker -> the error that ended its thread
         self._background: set[int] = set()  # native ids of running workers started in the background
         self._bg_lock = threading.Lock()
+        # Elastic: which workers hold a thread now, and (worker, start, end) of every thread that ended:
+        # a worker is held (billed) from its thread's start to its end.
+        self.live: dict[int, threading.Thread] = {}
+        self.held: list[tuple[int, float, float]] = []
+        self._live_lock = threading.Lock()
+        # (live rows, seconds) of recent engine steps: what the elastic rule fits its decode cost to.
+        self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._args: tuple | None = None  # the running step's (step, on_sample, tasks, background, release_when_idle)
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -116,11 +129,14 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ one step's generation
     def run(self, step: int, shards: list[list[RolloutRequest]], on_sample: Callable[[int, Sample], None],
-            tasks: TaskQueue, background: bool = False) -> list[threading.Thread]:
-        """Start every worker on its shard; each calls ``on_sample(worker, sample)`` as samples finish.
+            tasks: TaskQueue, background: bool = False, release_when_idle: bool = False) -> None:
+        """Start the workers on their shards; each calls ``on_sample(worker, sample)`` as samples finish.
 
-        Workers run inference tasks whenever their engine is idle and stop once ``tasks`` is
-        closed and drained and their engine has nothing left (migration may hand them more).
+        Reserved workers (the default) all start, run inference tasks whenever their engine is
+        idle, and stop once ``tasks`` is closed and drained and their engine has nothing left
+        (migration may hand them more). With ``release_when_idle`` (elastic) only workers with a
+        non-empty shard start, and each ends (is released) as soon as its engine is idle and no
+        task is waiting; ``serve`` and ``migrate`` start workers again when work comes.
         ``background`` starts them under ``SCHED_IDLE`` (see ``set_background``): work that runs
         beside training (async prefetch) then yields the CPU to it until ``restore_priority``.
         """
@@ -129,11 +145,40 @@ class RolloutPool:
         for engine, shard in zip(self.engines, shards, strict=True):
             for r in shard:
                 engine.add(r)
-        threads = [threading.Thread(target=self._loop, args=(i, step, on_sample, tasks, background), daemon=True,
-                                    name=f"rollout-{i}") for i in range(len(self.engines))]
-        for t in threads:
-            t.start()
-        return threads
+        self._args = (step, on_sample, tasks, background, release_when_idle)
+        for i, shard in enumerate(shards):
+            if shard or not release_when_idle:
+                self._start(i)
+
+    def serve(self, k: int) -> None:
+        """Elastic: start up to ``k`` more workers (idle engines) to run the waiting inference tasks."""
+        with self._live_lock:
+            free = [i for i in range(len(self.engines)) if i not in self.live]
+        for i in free[:max(0, k)]:
+            self._start(i)
+
+    def busy_workers(self) -> int:
+        """Workers whose thread runs now."""
+        with self._live_lock:
+            return len(self.live)
+
+    def join(self) -> None:
+        """Wait until every worker thread of the step has ended."""
+        while True:
+            with self._live_lock:
+                threads = list(self.live.values())
+            if not threads:
+                return
+            for th in threads:
+                th.join()
+
+    def _start(self, i: int) -> None:
+        with self._live_lock:
+            if i in self.live:
+                return
+            th = threading.Thread(target=self._loop, args=(i, *self._args), daemon=True, name=f"rollout-{i}")
+            self.live[i] = th
+        th.start()
 
     def restore_priority(self) -> None:
         """Training ended: running background workers go back to normal scheduling (if the OS allows),
@@ -143,32 +188,42 @@ class RolloutPool:
                 if set_background(tid, False):
                     self._background.discard(tid)
 
-    def _loop(self, i: int, step: int, on_sample, tasks: TaskQueue, background: bool = False) -> None:
-        tid = threading.get_native_id()
+    def _loop(self, i: int, step: int, on_sample, tasks: TaskQueue, background: bool = False,
+              release_when_idle: bool = False) -> None:
+        tid, t0 = threading.get_native_id(), time.perf_counter()
         if background and set_background(tid, True):
             with self._bg_lock:
                 self._background.add(tid)
         try:
-            self._work(i, step, on_sample, tasks)
+            self._work(i, step, on_sample, tasks, release_when_idle)
         except BaseException as e:  # noqa: BLE001 - kept for the controller, which raises it (check_alive)
             self.errors[i] = e
             tasks.closed.set()  # the step is lost: the other workers finish what they hold and end
+            with self._live_lock:
+                self.live.pop(i, None)
         finally:
             with self._bg_lock:
                 self._background.discard(tid)
+            self.held.append((i, t0, time.perf_counter()))
 
-    def _work(self, i: int, step: int, on_sample, tasks: TaskQueue) -> None:
+    def _work(self, i: int, step: int, on_sample, tasks: TaskQueue, release_when_idle: bool) -> None:
         engine, track = self.engines[i], self.tracks[i]
         while True:
             if engine.has_unfinished():
                 with self.tracer.span("generate", step, track=track):
                     while engine.has_unfinished():
-                        for s in engine.step():
+                        rows, t0 = len(engine.scheduler.running), time.perf_counter()
+                        done = engine.step()
+                        self.step_log.append((rows, time.perf_counter() - t0))
+                        for s in done:
                             self.tracer.instant("sample_done", step, track=track, uid=s.uid)
                             on_sample(i, s)
                 continue
-            if tasks.closed.is_set() and tasks.empty():
-                return
+            with self._live_lock:  # leaving and migrate's hand-over are atomic: no sample is left unrun
+                if (tasks.empty() and (release_when_idle or tasks.closed.is_set())
+                        and not engine.has_unfinished()):
+                    self.live.pop(i, None)
+                    return
             t0 = time.perf_counter()
             if tasks.run_one(POLL_S):
                 self.tracer.record("inference", step, track, t0, time.perf_counter())
@@ -212,7 +267,12 @@ class RolloutPool:
             by_src.setdefault(m.src, {})[m.uid] = m.dst
         for src, dests in by_src.items():
             for state in self.engines[src].abort(dests):
-                self.engines[dests[state.uid]].add(state)
+                dst = dests[state.uid]
+                with self._live_lock:
+                    self.engines[dst].add(state)
+                    idle = dst not in self.live
+                if idle and self._args is not None and self._args[-1]:  # elastic: a released worker is
+                    self._start(dst)  # taken again for the samples it receives
                 moved += 1
         if moved:
             self.tracer.instant("migrate", step, track=self.tracks[0], moved=moved, freed=list(plan.freed))

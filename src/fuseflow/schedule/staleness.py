@@ -13,15 +13,12 @@ no sample is ever generated that would have to be thrown away: generation runs a
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 
 class StalenessError(RuntimeError):
-    """A sample older than the bound reached training, or admission waited past its timeout."""
+    """A sample older than the bound reached training (its versions were stamped wrongly)."""
 
 
 def trained_version(step: int) -> int:
@@ -85,74 +82,3 @@ def staleness_metrics(versions: Sequence[int], step: int, max_staleness: int) ->
     ages = [a for a, c in hist.items() for _ in range(c)]
     out |= {"async/staleness_mean": sum(ages) / n, "async/staleness_max": float(max(ages))}
     return out
-
-
-@dataclass
-class AdmissionRecord:
-    step: int  # trainer step the generation is for
-    version: int  # policy version it started from
-    waited_seconds: float
-
-
-class StalenessGate:
-    """Admits generation for a trainer step only when the rollout's weights are recent enough.
-
-    The training loop calls ``publish(version)`` after each weight sync; the generation loop
-    calls ``admit(step)`` before starting requests for ``step``, which returns the version to
-    stamp on the samples (waiting for ``publish`` if needed), or ``try_admit(step)`` which
-    returns None instead of waiting, so a scheduler can run other work and retry. Thread-safe.
-
-    >>> gate = StalenessGate(max_staleness=1)
-    >>> gate.try_admit(2), gate.try_admit(3)
-    (0, None)
-    >>> gate.publish(1); gate.try_admit(3)
-    1
-    """
-
-    def __init__(self, max_staleness: int, version: int = 0, timeout_s: float = 600.0):
-        if max_staleness < 0:
-            raise ValueError(f"schedule.max_staleness must be >= 0, got {max_staleness}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.max_staleness, self.timeout_s = max_staleness, timeout_s
-        self._version = version
-        self._cond = threading.Condition()
-        self.records: list[AdmissionRecord] = []
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def publish(self, version: int) -> None:
-        """The rollout now holds ``version``; wakes waiting admissions."""
-        with self._cond:
-            if version < self._version:
-                raise ValueError(f"policy version went backwards: {self._version} -> {version}")
-            self._version = version
-            self._cond.notify_all()
-
-    def furthest_step(self) -> int:
-        """The latest trainer step generation may start for with the current weights."""
-        return self._version + 1 + self.max_staleness
-
-    def try_admit(self, step: int) -> int | None:
-        """The version to stamp if generation for ``step`` may start now, else None (defer it)."""
-        with self._cond:
-            if self._version < min_version_for(step, self.max_staleness):
-                return None
-            self.records.append(AdmissionRecord(step, self._version, 0.0))
-            return self._version
-
-    def admit(self, step: int, timeout_s: float | None = None) -> int:
-        """Block until generation for ``step`` is allowed; returns the version to stamp on its samples."""
-        need = min_version_for(step, self.max_staleness)
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        t0 = time.perf_counter()
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._version >= need, timeout=limit):
-                raise StalenessError(f"generation for step {step} needs policy version >= {need} "
-                                     f"(max_staleness={self.max_staleness}) but the rollout still holds "
-                                     f"version {self._version} after {limit:.0f}s; is the trainer stuck?")
-            waited = time.perf_counter() - t0
-            self.records.append(AdmissionRecord(step, self._version, waited))
-            return self._version

@@ -11,11 +11,12 @@ rollout has freed. Stage durations come from `costmodel`; decode timing from
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 import simpy
+
+from fuseflow.policy.migration import PendingSample, WorkerBudget, plan_migration, trigger_count
 
 from .costmodel import INFER_MICRO_BATCH_TOKENS, fused_train_seconds, infer_cost
 from .generation import (
@@ -205,20 +206,21 @@ class _Run:
         seqs = make_seqs(batch)
         full = simulate_generation(dm, [[_copy(seqs[i]) for i in p] for p in parts], cap, t0)
         times = sorted(t for r in full for _, t in r.finishes)
-        left_n = int(math.floor(self.pol.migrate_frac * batch.n))
+        # The runtime's trigger (policy.migration.trigger_count); 0 streams samples but never migrates.
+        left_n = trigger_count(batch.n, self.pol.migrate_frac) if self.pol.migrate_frac else 0
         tl: list = []
-        busy: list[int] = []
-        if left_n >= 1 and costs.replicas > 1:
+        keep: list[int] = []
+        if left_n >= 1 and costs.replicas > 1 and left_n < batch.n:
             t_mig = times[batch.n - left_n - 1]
             first = [run_replica(dm, [_copy(seqs[i]) for i in p], t0, cap, until=t_mig) for p in parts]
-            busy = [i for i, r in enumerate(first) if r.leftover]
-        if not busy:  # nothing to migrate (one replica, tiny threshold, or every length equal)
+            if any(r.leftover for r in first):
+                keep, incoming, mig = self.plan_tail(first, costs, batch)
+        if not keep:  # nothing to migrate (one replica, tiny threshold, equal lengths, or no fewer replicas fit)
             for i, r in enumerate(full):
                 self.box("generate", lane, f"replica{i}", t0, r.end - t0, dm.gpus, k)
                 tl += [(t, "finish", sid) for sid, t in r.finishes] + [(r.end, "release", dm.gpus)]
             return tl
-        total_left = sum(len(first[i].leftover) for i in busy)
-        keep, incoming, mig = self.choose_migration(first, busy, costs, lane, t_mig)
+        total_left = sum(len(r.leftover) for r in first)
         keep_n = len(keep)
         resume = t_mig + mig
         self.info.setdefault("migrations", []).append(
@@ -240,41 +242,32 @@ class _Run:
             tl += [(t, "finish", sid) for sid, t in r.finishes] + [(r.end, "release", dm.gpus)]
         return tl
 
-    def choose_migration(self, first: list, busy: list[int], costs: PlanCosts, lane: str, t_mig: float):
-        """How many replicas keep the long tail: the count that finishes generation plus inference first.
+    def plan_tail(self, first: list, costs: PlanCosts, batch) -> tuple[list[int], dict[int, list], float]:
+        """Where the tail goes: the runtime's own plan (``policy.migration.plan_migration``).
 
-        Fewer kept replicas free more devices for inference but pack more sequences per
-        replica (each round reads more KV). For each candidate count we replay the tail
-        on the most loaded kept replica and estimate when inference ends if the freed
-        devices work until the tail ends and every device of the set after that.
+        Each replica's budget is its KV room (``kv_cap`` sequences of the longest prompt plus
+        ``max_len`` tokens) and a sample's remaining tokens are what the runtime assumes too,
+        ``max_len`` less those done. Returns the kept replicas, the samples each receives and
+        the KV transfer seconds (empty when the tail fits on no fewer replicas).
         """
-        dm = costs.decode
+        dm, max_len = costs.decode, self.p.workload.response_len.max_len
+        seq_tokens = int(batch.prompt_lens.max()) + max_len
+        pending = {i: [PendingSample(s.id, s.done, max(0, max_len - s.done), s.prompt + s.done) for s in r.leftover]
+                   for i, r in enumerate(first)}
+        budgets = {i: WorkerBudget(costs.kv_cap, costs.kv_cap * seq_tokens) for i in range(len(first))}
+        plan = plan_migration(pending, budgets)
+        if not plan.feasible or not plan.freed:
+            return [], {}, 0.0
+        by_id = {s.id: s for r in first for s in r.leftover}
+        incoming: dict[int, list] = {i: [] for i in plan.targets}
+        for mv in plan.moves:
+            incoming[mv.dst].append(by_id[mv.uid])
         kv_tok = dm.model.kv_bytes_per_token(dm.hw.param_bytes)
         bw = dm.gpus * dm.hw.inter_bw * dm.hw.efficiency.comm
-        gen_set = self.plan.set_of("rollout")
-        local = [r for r in gen_set.roles if self.p.runs_inference(r)]
-        work = sum(costs.infer[r].seconds for r in local) * gen_set.gpus  # device-seconds of inference here
-        order = sorted(busy, key=lambda i: -len(first[i].leftover))
-        cands = sorted({len(busy), *(c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < len(busy))})
-        best = None
-        for kc in cands:
-            keep = order[:kc]
-            moved = [s for i in order[kc:] for s in first[i].leftover]
-            incoming = {i: moved[j::kc] for j, i in enumerate(keep)}
-            mig = max((sum(kv_tok * (s.prompt + s.done) for s in incoming[i] if s.prefilled) / bw
-                       for i in keep), default=0.0) if moved else 0.0  # fmt: skip
-            resume = t_mig + mig
-            tail = max(run_replica(dm, [_copy(s) for s in first[i].leftover + incoming[i]], resume,
-                                   costs.kv_cap).end for i in keep)  # fmt: skip
-            freed = (costs.replicas - kc) * dm.gpus
-            if freed * (tail - resume) >= work:
-                done = resume + work / max(freed, 1)
-            else:
-                done = tail + (work - freed * (tail - resume)) / gen_set.gpus
-            score = max(tail, done) if local else tail
-            if best is None or score < best[0] - 1e-9:
-                best = (score, keep, incoming, mig)
-        return best[1], best[2], best[3]
+        mig = max((sum(kv_tok * (s.prompt + s.done) for s in incoming[i] if s.prefilled) / bw
+                   for i in plan.targets), default=0.0)  # fmt: skip
+        keep = [i for i in plan.targets if first[i].leftover or incoming[i]]
+        return keep, incoming, mig
 
     def elastic_timeline(self, k, batch, costs: PlanCosts) -> list:
         """Serverless rollout workers: shape, count and assignment from predicted lengths, billed while busy."""

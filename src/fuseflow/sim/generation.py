@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fuseflow.policy.lengths import assign_by_length
+
 from .costmodel import DecodeModel
 
 
@@ -124,44 +126,17 @@ def kv_capacity_seqs(dm: DecodeModel, free_bytes_per_gpu: float, prompt: float, 
     return int(max(0.0, free_bytes_per_gpu) // per_seq) if per_seq > 0 else 1 << 30
 
 
-def ridge_batch(dm: DecodeModel) -> int:
-    """Batch at which decode turns from memory- to compute-bound (the roofline ridge).
-
-    Below it, adding sequences to a replica barely slows each round, which is why
-    long-tail migration packs the remaining sequences up to this size.
-    """
-    m, hw, eff = dm.model, dm.hw, dm.hw.efficiency
-    w = m.weight_bytes(hw.param_bytes) / (hw.mem_bw * eff.decode_mbu)
-    per_seq = 2.0 * m.matmul_params / (hw.peak_flops * eff.infer_mfu)
-    return max(1, int(w / per_seq))
-
-
 def round_robin(seqs: list[Seq], replicas: int) -> list[list[Seq]]:
     """Sample i goes to replica i mod R (what a load-unaware router does)."""
     return [seqs[r::replicas] for r in range(replicas)]
 
 
 def sorted_chunks(seqs: list[Seq], keys: np.ndarray, replicas: int) -> list[list[Seq]]:
-    """Length-aware assignment: sort by predicted length, give each replica a contiguous chunk.
-
-    Long sequences end up together on a few replicas (decode is memory-bound, so they
-    cost little more together than apart) and replicas holding only short ones finish
-    early and are released, which is what cuts GPU-seconds under elastic billing.
-    Groups (same prompt) stay on one replica so their shared prefix is prefilled once.
-    """
-    groups: dict[int, list[int]] = {}
-    for i, s in enumerate(seqs):
-        groups.setdefault(s.group if s.group >= 0 else -1 - s.id, []).append(i)
-    order = sorted(groups.values(), key=lambda idx: -max(keys[i] for i in idx))
-    total = len(seqs)
-    out: list[list[Seq]] = [[] for _ in range(replicas)]
-    r, filled = 0, 0
-    for idx in order:
-        if r < replicas - 1 and filled >= (r + 1) * total / replicas:
-            r += 1
-        out[r].extend(seqs[i] for i in idx)
-        filled += len(idx)
-    return out
+    """Length-aware assignment of sequences to replicas by predicted length ``keys``: the runtime's
+    rule (``policy.lengths.assign_by_length``), groups (same prompt) kept on one replica."""
+    groups = [s.group if s.group >= 0 else -1 - s.id for s in seqs]
+    parts = assign_by_length([float(k) for k in keys], groups, replicas)
+    return [[seqs[i] for i in part] for part in parts]
 
 
 def simulate_generation(

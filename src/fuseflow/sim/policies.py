@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuseflow.policy.elastic import ReplicaOption, cheapest_within
+
 from .costmodel import DecodeModel, broadcast_seconds
 from .generation import Seq, kv_capacity_seqs, simulate_generation, sorted_chunks
 from .hardware import HardwareSpec
@@ -110,14 +112,13 @@ def choose_workers(
             runs = simulate_generation(dm, sorted_chunks([_fresh(g) for g in guess], keys, w), cap,
                                        share_prefix=True)  # fmt: skip
             ends = [r.end for r in runs if r.finishes]
-            options.append((startup + max(ends), sum(startup + e for e in ends) * dm.gpus, dm, cap, startup, w))
+            options.append(ReplicaOption(w, startup + max(ends), sum(startup + e for e in ends) * dm.gpus,
+                                         (dm, cap, startup)))
     if not options:
         raise ValueError(f"elastic: {actor.name} does not fit on one {hw.name} worker of up to {gpus} devices")
-    fastest = min(o[0] for o in options)
-    limit = (1.0 + budget) * (fastest + rest) - rest
-    t, c, dm, cap, startup, w = min((o for o in options if o[0] <= limit),
-                                    key=lambda o: (o[1], o[0]))  # fmt: skip
-    return ElasticChoice(dm, cap, startup, w, t, c, sorted_chunks(seqs, keys, w))
+    best = cheapest_within(options, budget, rest)  # the runtime's rule (policy.elastic)
+    dm, cap, startup = best.detail
+    return ElasticChoice(dm, cap, startup, best.replicas, best.seconds, best.cost, sorted_chunks(seqs, keys, best.replicas))
 
 
 def _fresh(s: Seq) -> Seq:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
 from pathlib import Path
 
 import torch
@@ -71,6 +72,18 @@ class ReferenceWorker(Worker):
     def sample_heldout(self) -> list[str]:
         """Seeded sampled responses to the held-out prompts (paired with another model's by seed)."""
         return self.heldout.sampled(self.plain)
+
+    @register("rank_zero")
+    def rollout_model(self, copy: bool = False) -> torch.nn.Module:
+        """The unsharded model a rollout in this process decodes with: this worker's own (weights shared,
+        so an update reaches it in place) or, with ``copy``, a frozen copy of it that ``rollout_weights``
+        refreshes (async generation decodes while the actor trains)."""
+        return deepcopy(self.plain).eval().requires_grad_(False) if copy else self.plain
+
+    @register("rank_zero")
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The current weights for a rollout copy (in-process: the live tensors, not a copy)."""
+        return self.plain.state_dict()
 
     @register("rank_zero")
     def model_config(self) -> dict:
