@@ -218,8 +218,7 @@ def table(result: dict):
 
     d = result["device"]
     t = Table(title=f"fuseflow bench gpu on {d['name']} ({d['dtype']}){' --quick' if result['quick'] else ''}")
-    for col in ("shape", "params", "train MFU", "train tok/s", "engine tok/s", "hf tok/s", "speedup",
-                "sync s/GB", "peak mem GB"):
+    for col in ("shape", "params", "MFU", "train tok/s", "engine tok/s", "hf tok/s", "x hf", "sync s/GB", "mem GB"):
         t.add_column(col, justify="left" if col == "shape" else "right")
     for name, r in result["shapes"].items():
         tr, ro, ws = r["train"], r["rollout"], r["weight_sync"]
