@@ -1,12 +1,17 @@
 # Two commands set everything up on a fresh machine:
 #   make run   - create .venv if missing, install, run the main job (`fuseflow train`)
 #   make test  - same install, then the test suite (CI deselects `slow`)
+#   make test-gpu - the CUDA tests (`gpu` marker) in .venv if there is one, else in $(PYTHON): on a GPU
+#                   machine install your own CUDA torch and `pip install -e ".[dev]"` first (docs/gpu.md)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-slow lint clean
+# The .venv pins CPU torch, where the gpu tests only skip; GPU_PY=... picks another interpreter.
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+.PHONY: install run test test-slow test-gpu lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +31,9 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow tests
+
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu tests
 
 lint: install
 	$(BIN)/ruff check src tests

@@ -112,6 +112,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-33b": _spec("llama-33b", 6656, 60, 52, 52, 17920, 32000),
     "llama-65b": _spec("llama-65b", 8192, 80, 64, 64, 22016, 32000),
     "llama-70b": _spec("llama-70b", 8192, 80, 64, 8, 28672, 32000),
+    "qwen2.5-0.5b": _spec("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, tied=True, bias=True),
+    "qwen2.5-1.5b": _spec("qwen2.5-1.5b", 1536, 28, 12, 2, 8960, 151936, tied=True, bias=True),
     "qwen2.5-3b": _spec("qwen2.5-3b", 2048, 36, 16, 2, 11008, 151936, tied=True, bias=True),
     "qwen2.5-7b": _spec("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, bias=True),
     "qwen2.5-32b": _spec("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, bias=True),
