@@ -13,6 +13,7 @@ from fuseflow.checkpoint import latest_checkpoint
 from fuseflow.config import Config
 from fuseflow.console import make_progress
 from fuseflow.controller.group import WorkerFailure
+from fuseflow.preflight import check_inputs
 from fuseflow.telemetry.metrics import read_metrics
 from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
 from fuseflow.trainer import RLTrainer
@@ -25,6 +26,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     ``stop_after`` ends the run early after that step, as an interruption would (used by tests).
     """
     console = console or Console()
+    check_inputs(cfg)  # the files the config names, before the run directory exists
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
