@@ -276,6 +276,8 @@ def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str)
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
+    from fuseflow.tasks import DataError, RewardError
+
     index = {ref: i for i, ref in enumerate(refs)}
     out: list = [None] * len(refs)
     pending = list(refs)
@@ -290,6 +292,8 @@ def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str)
                                     f"pool {pool}") from None
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
+                if isinstance(cause, (RewardError, DataError)):  # the user's function or data: their one line
+                    raise cause from None
                 raise WorkerFailure(role, ranks[i], method, f"{type(cause).__name__}: {_summary(cause)}",
                                     f"pool {pool}") from None
     return out
