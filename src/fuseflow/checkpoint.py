@@ -104,7 +104,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, writers: list) -> Pat
             prev = latest_checkpoint(run_dir)
             kept = f"checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
             raise CheckpointWriteError(
-                errno.ENOSPC, f"checkpoint step_{step} could not be written: no space left on the device holding "
+                f"checkpoint step_{step} could not be written: no space left on the device holding "
                 f"{root}; {kept}. Free space (or lower trainer.keep_checkpoints) and resume with: "
                 f"fuseflow train --resume {run_dir}") from None
         raise

@@ -456,7 +456,10 @@ def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
         return f"{loc}: unknown key; allowed keys here: {allowed}"
     msg = first["msg"]
     if first["type"].startswith("value_error") or not loc:
-        return f"{loc or 'config'}: {msg.removeprefix('Value error, ')}"
+        msg = msg.removeprefix("Value error, ")
+        if not loc or msg.startswith((f"{loc}.", f"{loc}=")):  # the message names its keys itself
+            return msg
+        return f"{loc}: {msg}"
     return f"{loc}: invalid value {first.get('input')!r}: {msg}"
 
 

@@ -72,7 +72,7 @@ class UserFunction:
         else:
             text = prompts[index]
             where = f"sample {index} (prompt {text[:40] + '...' if len(text) > 40 else text!r})"
-        return RewardError(f"{self.what} function {self.spec} ({self.field}) {cause} on {where}")
+        return RewardError(f"{self.what} function {self.spec} ({self.field}) on {where}: {cause}")
 
     def _check(self, value, index: int, prompts: list[str]) -> float:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -157,6 +157,8 @@ class UserFunction:
         bounds = [(a, min(n, a + size)) for a in range(0, n, size)]
         futures = [self._pool.submit(_run_chunk, a, prompts[a:b], responses[a:b], answers[a:b], self.batch,
                                      self.timeout_s) for a, b in bounds]
+        # The pool's processes, held here: a broken pool forgets them, and their exit codes name the crash.
+        self._procs = dict(getattr(self._pool, "_processes", None) or {}) or getattr(self, "_procs", {})
         # The workers time each call themselves; this guard only catches a call that ignores SIGALRM.
         guard = self.timeout_s * (1 if self.batch else size) + 30.0
         out: list = []
@@ -187,14 +189,15 @@ class UserFunction:
 
     def _crashed(self) -> tuple[int | None, int | None]:
         """The sample the crashed process was on, and its exit code (None, None when unknown)."""
-        procs = getattr(self._pool, "_processes", None) or {}  # private, so read defensively
-        for p in list(procs.values()):
+        for p in list(getattr(self, "_procs", {}).values()):  # ProcessPoolExecutor._processes: read defensively
+            p.join(timeout=2.0)  # the pool breaks as the process dies; its exit status can lag a moment
             code = p.exitcode
             if code is not None and code != -signal.SIGTERM:
                 slot = next((s for s, pid in enumerate(self._pids) if pid == p.pid), None)
                 index = self._slots[slot] if slot is not None else -1
                 return (index if index >= 0 else None), code
-        return None, None
+        busy = [i for i in self._slots if i >= 0]  # else: the one sample in progress, when only one was
+        return (busy[0] if len(busy) == 1 else None), None
 
     def _abandon(self) -> None:
         pool, self._pool = self._pool, None
@@ -212,7 +215,7 @@ class UserFunction:
     def __getstate__(self) -> dict:
         # The function is imported again where the object lands (a Ray worker, a pool process): the
         # file or module must be readable there, as the run's data is.
-        return {k: v for k, v in self.__dict__.items() if k not in ("fn", "_pool", "_slots", "_pids")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("fn", "_pool", "_slots", "_pids", "_procs")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -47,7 +47,7 @@ def read_rows(path: str | Path, field: str = "task.path", columns: str = "a 'pro
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+                    raise DataError(f"{field}: {path}:{i}: not valid JSON ({exc.msg}, column {exc.colno})") from None
     elif p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -65,7 +65,7 @@ def load_rows(path: str | Path, field: str = "task.path") -> list[dict]:
     missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)
                or not r["prompt"]]
     if missing:
-        raise DataError(f"{path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
+        raise DataError(f"{field}: {path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
     return rows
 
 
