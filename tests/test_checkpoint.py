@@ -4,9 +4,13 @@ import pytest
 import torch
 
 from fuseflow.checkpoint import (
+    CheckpointWriteError,
+    checkpoint_steps,
+    checkpoints_to_keep,
     find_checkpoint,
     latest_checkpoint,
     load_optimizer_state,
+    prune_checkpoints,
     read_state,
     save_checkpoint,
     save_optimizer_state,
@@ -88,3 +92,51 @@ def test_failing_writer_leaves_the_previous_checkpoint_latest(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, {"cursor": 9}, [*_writers(m, opt), crash])
     assert latest_checkpoint(tmp_path) == p1 and not (tmp_path / "checkpoints" / "step_2").exists()
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path):
+    import errno
+
+    m = _Tiny()
+    opt = _trained_opt(m)
+    p1 = save_checkpoint(tmp_path, 1, {"cursor": 5}, _writers(m, opt))
+
+    def full(d):
+        (d / "partial.bin").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint step_2 could not be written: no space left .*; "
+                                                   r"checkpoint step_1 is intact\. .*resume with") as e:
+        save_checkpoint(tmp_path, 2, {"cursor": 9}, [*_writers(m, opt), full])
+    assert "\n" not in str(e.value)
+    assert latest_checkpoint(tmp_path) == p1 and read_state(p1)["cursor"] == 5
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]  # no partial dir
+    # A Ray worker reports the same disk error as text inside a WorkerFailure.
+    from fuseflow.controller.group import WorkerFailure
+
+    def remote_full(d):
+        raise WorkerFailure("actor", 0, "save", "OSError: [Errno 28] No space left on device: 'x'")
+
+    with pytest.raises(CheckpointWriteError, match="checkpoint step_1 is intact"):
+        save_checkpoint(tmp_path, 2, {"cursor": 9}, [remote_full])
+
+
+@pytest.mark.parametrize("keep, evals, expect", [
+    (None, [], [1, 2, 3, 4, 5]),
+    (2, [], [4, 5]),
+    (2, [{"step": 2, "accuracy": 0.9}, {"step": 4, "accuracy": 0.7}], [2, 4, 5]),  # last 2 plus the best
+    (1, [{"step": 1, "accuracy": 0.5}, {"step": 3, "accuracy": 0.5}], [3, 5]),  # a tie keeps the later
+    (2, [{"step": 5, "accuracy": 0.9}, {"step": 6, "accuracy": 1.0}], [4, 5]),  # step 6 has no checkpoint
+])
+def test_retention_keeps_the_last_k_and_the_best(keep, evals, expect):
+    assert sorted(checkpoints_to_keep([1, 2, 3, 4, 5], keep, evals)) == expect
+
+
+def test_prune_deletes_only_complete_old_checkpoints(tmp_path):
+    m = _Tiny()
+    opt = _trained_opt(m)
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, {"cursor": step}, _writers(m, opt))
+    assert prune_checkpoints(tmp_path, 1, [{"step": 2, "accuracy": 1.0}]) == [1, 3]
+    assert checkpoint_steps(tmp_path) == [2, 4] and latest_checkpoint(tmp_path).name == "step_4"
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -106,3 +106,19 @@ def test_bad_config_file_is_one_line_error_naming_it(tmp_path, text, expect):
     assert result.exit_code == 2, result.output
     assert f"--resume {run_dir}: config.yaml: {expect}" in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
+
+
+def test_train_takes_a_config_file_such_as_a_runs_config_yaml(tmp_path):
+    # A run's config.yaml is the resolved tree: `train --config` reads it (overrides on top), as README says.
+    shown = runner.invoke(app, ["config", "show", "--preset", "ppo", "trainer.steps=3"])
+    (tmp_path / "config.yaml").write_text(shown.stdout)
+    again = runner.invoke(app, ["config", "show", "--config", str(tmp_path / "config.yaml")])
+    assert again.exit_code == 0 and again.stdout == shown.stdout
+    result = runner.invoke(app, ["train", "--config", str(tmp_path / "config.yaml"), "--output", str(tmp_path / "r"),
+                                 "algorithm.group_size=1"])
+    # The file's algorithm (ppo) needs no groups, so the error is the batch arithmetic; from the default
+    # preset (grpo) it would be the group baseline: the file, not the preset, was read.
+    assert result.exit_code == 2 and result.stderr.startswith("error: trainer.mini_batch_size="), result.stderr
+    assert not (tmp_path / "r").exists()
+    result = runner.invoke(app, ["train", "--config", str(tmp_path / "config.yaml"), "--resume", str(tmp_path)])
+    assert result.exit_code == 2 and "a resumed run keeps its own config.yaml" in result.stderr

@@ -166,7 +166,7 @@ def test_a_killed_worker_ends_the_run_naming_role_rank_and_checkpoint(tmp_path, 
 
     run = tmp_path / "run"
     cfg = load_config("default", [*TINY, *_file_task(tmp_path), f"cache_dir={sft_cache}", "algorithm.name=ppo",
-                                  "backend=ray", "actor.dp=2", "trainer.steps=50", "ray.collective_timeout_s=30",
+                                  "backend=ray", "actor.dp=2", "trainer.steps=50", "ray.collective_timeout_s=30", "trainer.max_restarts=0",
                                   "pools.main.cpus_per_worker=0.5"])
     killed: dict[str, float] = {}
 

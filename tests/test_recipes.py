@@ -222,7 +222,10 @@ def test_algorithm_defaults_apply_only_where_not_set():
 @pytest.mark.parametrize("overrides, expect", [
     (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward=true needs token-level advantages"),
     (["algorithm.name=rloo", "algorithm.group_size=1", "trainer.mini_batch_size=32", "trainer.micro_batch_size=32"],
-     "algorithm.group_size must be >= 2 for rloo"),
+     "algorithm.group_size=1 leaves rloo's group baseline meaningless"),
+    # Named even when the batch arithmetic also fails (32 samples, mini-batch 128): the group is the cause.
+    (["algorithm.group_size=1"], "algorithm.group_size=1 leaves grpo's group baseline meaningless"),
+    (["task.reward_fn=r.py:score"], "task.reward_fn is read by task.name=file only"),
     (["algorithm.name=safe_ppo"], "algorithm.name=safe_ppo needs a cost signal, and task.name=arith has none"),
     (["algorithm.overlong_buffer=16"], "algorithm.overlong_buffer=16 must be smaller than model.max_response_len=16"),
     (["task.cost_fn=x.py:c"], "task.cost_fn is read by task.name=file only"),

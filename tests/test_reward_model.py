@@ -127,7 +127,9 @@ def test_trainer_rejects_a_directory_that_is_not_a_reward_model(tmp_path):
         RewardModel.load(tmp_path)
     result = runner.invoke(app, ["train", "--preset", "rlhf", "--output", str(tmp_path / "run"),
                                  f"reward.model={tmp_path / 'nope'}", f"cache_dir={tmp_path / 'cache'}"])
-    assert result.exit_code == 2 and "is not a reward-model directory" in result.output.replace("\n", " ")
+    # Checked before any work (fuseflow.preflight): names the setting and how to make such a directory.
+    assert result.exit_code == 2 and f"reward.model={tmp_path / 'nope'}: does not exist; pass a directory written by " \
+        "`fuseflow train-rm --output DIR`" in result.stderr
     assert not (tmp_path / "cache").exists()  # it failed before training any SFT model
 
 

@@ -5,11 +5,14 @@ Face safetensors directories, each optimizer's tensors in safetensors with its
 scalars in JSON, the RNG states and the trainer state (step, data cursor, KL
 coefficient). It is written under a temporary name and renamed into place, so a
 crash mid-write never leaves a half checkpoint; ``checkpoints/latest`` names the
-newest complete one.
+newest complete one. A write that fails (a full disk) removes its own temporary
+directory and raises ``CheckpointWriteError``; the previous checkpoint stays latest.
+``prune_checkpoints`` applies ``trainer.keep_checkpoints`` once a new one is complete.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -18,6 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from fuseflow.data.files import read_json
 
 
 def save_optimizer_state(sd: dict, prefix: Path) -> None:
@@ -38,7 +43,7 @@ def save_optimizer_state(sd: dict, prefix: Path) -> None:
 
 def load_optimizer_state(prefix: Path) -> dict:
     """The optimizer ``state_dict()`` that ``save_optimizer_state`` wrote at ``prefix``."""
-    meta = json.loads(prefix.with_suffix(".json").read_text())
+    meta = read_json(prefix.with_suffix(".json"))
     tensors = load_file(str(prefix.with_suffix(".safetensors")))
     state: dict[int, dict] = {}
     for key, v in list(tensors.items()) + list(meta["scalars"].items()):
@@ -66,12 +71,18 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous one is intact."""
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict, writers: list) -> Path:
     """Write ``checkpoints/step_{step}`` atomically and point ``checkpoints/latest`` at it.
 
     ``writers`` are callables ``writer(dir)`` that write their own part (a model, its optimizer,
     the tokenizer) into the checkpoint directory before it is renamed into place, so worker groups
     save from their own processes; ``state`` (step, data cursor, ...) goes to ``state.json``.
+    A full disk (``ENOSPC``/``EDQUOT``, raised here or reported by a worker) removes the partial
+    directory and raises ``CheckpointWriteError`` naming the checkpoint that is still intact.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -79,13 +90,24 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, writers: list) -> Pat
     tmp = root / f".step_{step}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    for write in writers:
-        write(tmp)
-    rng_tensors, rng_plain = rng_state()
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_plain}))
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        for write in writers:
+            write(tmp)
+        rng_tensors, rng_plain = rng_state()
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({"step": step, **state, "rng": rng_plain}))
+        _fsync_tree(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial write took
+        if _disk_full(e):
+            prev = latest_checkpoint(run_dir)
+            kept = f"checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
+            raise CheckpointWriteError(
+                f"checkpoint step_{step} could not be written: no space left on the device holding "
+                f"{root}; {kept}. Free space (or lower trainer.keep_checkpoints) and resume with: "
+                f"fuseflow train --resume {run_dir}") from None
+        raise
     if final.exists():  # a re-run of this step after resume: replace the old one
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -93,6 +115,56 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, writers: list) -> Pat
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     return final
+
+
+def _disk_full(e: BaseException) -> bool:
+    # Locally an OSError carries errno; from a Ray worker it arrives as a WorkerFailure whose text holds it.
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "[Errno 28]" in str(e)
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints of a run, ascending (temporary directories are not counted)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit()) if root.is_dir() else []
+
+
+def checkpoints_to_keep(steps: list[int], keep: int | None, evals: list[dict]) -> set[int]:
+    """``trainer.keep_checkpoints``: the last ``keep`` steps plus the best by held-out accuracy.
+
+    ``keep=None`` keeps all. The best is the checkpointed step with the highest held-out
+    ``accuracy`` in ``evals`` (the later one on a tie); a task without accuracy keeps only the last.
+
+    >>> sorted(checkpoints_to_keep([10, 20, 30, 40], 2, [{"step": 20, "accuracy": 0.9}, {"step": 40, "accuracy": 0.5}]))
+    [20, 30, 40]
+    """
+    if keep is None:
+        return set(steps)
+    kept = set(steps[-keep:]) if keep else set()
+    scored = [(e["accuracy"], e["step"]) for e in evals if e.get("step") in steps and e.get("accuracy") is not None]
+    if scored:
+        kept.add(max(scored)[1])
+    return kept
+
+
+def prune_checkpoints(run_dir: Path, keep: int | None, evals: list[dict]) -> list[int]:
+    """Delete the checkpoints ``checkpoints_to_keep`` leaves out; returns their steps.
+
+    Called only after a new checkpoint is complete, and never deletes the one ``latest`` names.
+    Each is first renamed to a temporary name, so a crash mid-delete leaves nothing that looks
+    like a complete checkpoint.
+    """
+    steps = checkpoint_steps(run_dir)
+    latest = latest_checkpoint(run_dir)
+    kept = checkpoints_to_keep(steps, keep, evals) | ({int(latest.name[5:])} if latest else set())
+    root = Path(run_dir) / "checkpoints"
+    dropped = [s for s in steps if s not in kept]
+    for s in dropped:
+        trash = root / f".step_{s}.deleting"
+        os.replace(root / f"step_{s}", trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return dropped
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -120,7 +192,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def read_state(ckpt: Path) -> dict:
-    state = json.loads((ckpt / "state.json").read_text())
+    state = read_json(ckpt / "state.json")
     set_rng_state(load_file(str(ckpt / "rng.safetensors")), state.pop("rng"))
     return state
 

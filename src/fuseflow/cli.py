@@ -27,24 +27,31 @@ app.add_typer(bench_app, name="bench")
 
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.steps=50 algorithm.name=ppo")
 PRESET = typer.Option("default", "--preset", "-p", help="Config preset shipped with fuseflow.")
+CONFIG_FILE = typer.Option(None, "--config", "-c", help="A YAML config tree (a run's config.yaml, your own, or one "
+                           "written by `fuseflow plan --write-config`) used instead of the preset; keys it leaves "
+                           "out take their defaults, overrides apply on top.")
 
 
 def _user_errors():
+    from fuseflow.checkpoint import CheckpointWriteError
     from fuseflow.controller.ray_backend import ClusterError
     from fuseflow.tasks import DataError, RewardError
 
-    return (ConfigError, DataError, RewardError, FileNotFoundError, ValueError, ClusterError)
+    return (ConfigError, DataError, RewardError, FileNotFoundError, ValueError, ClusterError, CheckpointWriteError)
+
+
+def _load(preset: str, overrides: list[str] | None, config: Path | None):
+    """The config from ``--config FILE`` (its own preset name kept) or from a preset, plus overrides."""
+    if config is None:
+        return load_config(preset, overrides)
+    return load_config(preset, overrides, base=read_config_file(config, f"--config {config}"))
 
 
 @config_app.command("show")
-def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET,
-                config: Path = typer.Option(None, "--config", "-c", help="A YAML config tree (e.g. written by "
-                                            "`fuseflow plan --write-config`); keys it leaves out take their "
-                                            "defaults.")) -> None:
+def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET, config: Path = CONFIG_FILE) -> None:
     """Print the resolved config as YAML."""
     try:
-        base = read_config_file(config, f"--config {config}") if config is not None else None
-        cfg = load_config(preset, overrides, base=base)
+        cfg = _load(preset, overrides, config)
     except ConfigError as e:
         fail(str(e))
     typer.echo(cfg.to_yaml(), nl=False)
@@ -53,28 +60,50 @@ def config_show(overrides: list[str] = OVERRIDES, preset: str = PRESET,
 @app.command()
 def train(overrides: list[str] = OVERRIDES, preset: str = PRESET,
           output: Path = typer.Option(None, "--output", "-o", help="Run directory (default runs/<preset>-<time>)."),
-          resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory.")) -> None:
+          resume: Path = typer.Option(None, "--resume", help="Continue the run in this directory."),
+          config: Path = CONFIG_FILE) -> None:
     """SFT warm start (cached), held-out eval, RL, held-out eval; writes a run directory."""
     from fuseflow.runner import train as run_train
 
+    run_dir, created = None, False
     try:
         if resume is not None:
+            if config is not None:
+                fail(f"--config {config} with --resume {resume}: a resumed run keeps its own config.yaml; "
+                     "pass overrides instead, or start a new run with --config")
             cfg = load_run_config(resume, overrides)
             run_dir = resume
         else:
-            cfg = load_config(preset, overrides)
-            run_dir = Path(output or cfg.output or f"runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            cfg = _load(preset, overrides, config)
+            run_dir = Path(output or cfg.output or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
             if (run_dir / "checkpoints").is_dir():
                 fail(f"--output {run_dir} already holds a run; continue it with --resume {run_dir} "
                      "or choose another directory")
+            created = not run_dir.exists()
         console.print(f"fuseflow train: {cfg.algorithm.name} on {cfg.task.name}, run directory {run_dir}")
         run_train(cfg, run_dir, resume=resume is not None, console=console)
     except KeyboardInterrupt:
         _interrupted(run_dir)
     except _user_errors() as e:
+        _drop_unstarted(run_dir, created)
         fail(str(e))
     except WorkerFailure as e:  # names the role, rank and last checkpoint; not the user's input: exit 1
         fail(str(e), code=1)
+
+
+def _drop_unstarted(run_dir: Path | None, created: bool) -> None:
+    """Remove a run directory this command created when the run failed before its first checkpoint.
+
+    Bad input found during set-up (a data file, a reward function, the cluster) would otherwise
+    leave a directory that looks like a run but holds no step: a second try with the same
+    ``--output`` must start clean, and nothing half-written should be mistaken for a result.
+    """
+    import shutil
+
+    from fuseflow.checkpoint import latest_checkpoint
+
+    if created and run_dir is not None and run_dir.is_dir() and latest_checkpoint(run_dir) is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _interrupted(run_dir: Path) -> None:
@@ -87,18 +116,21 @@ def _interrupted(run_dir: Path) -> None:
 
 @app.command()
 def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
-        output: Path = typer.Option(None, "--output", "-o", help="Also copy the SFT model here.")) -> None:
+        output: Path = typer.Option(None, "--output", "-o", help="Also copy the SFT model here."),
+        config: Path = CONFIG_FILE) -> None:
     """Train (or reuse from the cache) the SFT warm-start model for a config."""
     import shutil
 
     from fuseflow.console import make_progress
     from fuseflow.data.tokenizer import load_tokenizer
     from fuseflow.models import resolve_device
+    from fuseflow.preflight import check_inputs
     from fuseflow.sft import ensure_sft_model
     from fuseflow.tasks import make_task
 
     try:
-        cfg = load_config(preset, overrides)
+        cfg = _load(preset, overrides, config)
+        check_inputs(cfg)
         device, dtype = resolve_device(cfg.device)
         with make_progress(console) as progress:
             path, curve = ensure_sft_model(cfg, make_task(cfg.task), load_tokenizer(cfg.model.tokenizer), device,

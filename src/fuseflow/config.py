@@ -165,6 +165,13 @@ class TrainerConfig(_Section):
     save_every: int = Field(20, gt=0)
     eval_every: int = Field(20, gt=0)
     eval_size: int = Field(500, gt=0)
+    # Checkpoints kept on disk: the last K plus the best by held-out accuracy; None keeps all. Old ones
+    # are deleted only after the new one is complete.
+    keep_checkpoints: int | None = Field(None, ge=1)
+    # Automatic restarts when a worker process dies or a collective times out: tear the worker groups
+    # down, start them again, reload the last checkpoint and go on. None: 0 on backend=local (a dead
+    # in-process worker is the controller itself), 3 on backend=ray.
+    max_restarts: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _batches_divide(self) -> TrainerConfig:
@@ -186,6 +193,14 @@ class RewardConfig(_Section):
     # Reward workers each scoring call is split over (backend=ray; each loads its own reward model).
     # Stays 1 when actor.dp grows: a reward function alone is cheap and gains nothing from more processes.
     dp: int = Field(1, ge=1)
+    # The user's reward/cost function: seconds one call may take before the run stops naming it, and
+    # processes to run it in (0: in this process; N: a pool of N spawned processes, so a function that
+    # hangs or crashes its interpreter neither blocks nor kills the run).
+    timeout_s: float = Field(30.0, gt=0)
+    workers: int = Field(0, ge=0)
+    # True: task.reward_fn names a batch function score_batch(prompts, responses, answers) -> list[float]
+    # (as TRL's reward functions are written); null: batch when the function's name ends in "_batch".
+    batch: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -382,22 +397,26 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _batch_fits(self) -> Config:
+        a = self.algorithm
+        # Checked before the batch arithmetic: with one sample per prompt the group baseline is the sample
+        # itself, every advantage is 0 and nothing is learned, whatever the batch sizes.
+        needs_groups = a.name in ("grpo", "dr_grpo", "rloo", "dapo") or a.dynamic_sampling or (
+            a.name == "reinforce_pp" and a.group_baseline)
+        if needs_groups and a.group_size < 2:
+            raise ValueError(f"algorithm.group_size={a.group_size} leaves {a.name}'s group baseline meaningless "
+                             "(each sample is its own group, so every advantage is 0); set algorithm.group_size>=2"
+                             + (", or algorithm.group_baseline=false" if a.name == "reinforce_pp" else
+                                ", or use algorithm.name=ppo or remax, which need no groups"))
         samples = self.trainer.prompts_per_step * self.algorithm.group_size
         if samples % self.trainer.mini_batch_size:
             raise ValueError(
                 f"trainer.mini_batch_size={self.trainer.mini_batch_size} must divide the samples per step "
                 f"(trainer.prompts_per_step * algorithm.group_size = {samples})"
             )
-        a = self.algorithm
         if a.kl_in_reward and a.name in SEQUENCE_LEVEL:
             raise ValueError(f"algorithm.kl_in_reward=true needs token-level advantages (ppo, safe_ppo, reinforce_pp); "
                              f"{a.name} credits whole responses, so set algorithm.kl_in_reward=false "
                              "(the KL becomes a loss term)")
-        needs_groups = a.name in ("grpo", "dr_grpo", "rloo", "dapo") or a.dynamic_sampling or (
-            a.name == "reinforce_pp" and a.group_baseline)
-        if needs_groups and a.group_size < 2:
-            raise ValueError(f"algorithm.group_size must be >= 2 for {a.name} (advantages are relative to "
-                             f"the group), got {a.group_size}")
         if a.overlong_buffer >= self.model.max_response_len:
             raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
                              f"model.max_response_len={self.model.max_response_len}")
@@ -406,6 +425,9 @@ class Config(_Section):
                              "use task.name=safe_arith, or task.name=file with task.cost_fn=module:function")
         if self.task.cost_fn and self.task.name != "file":
             raise ValueError(f"task.cost_fn is read by task.name=file only (got task.name={self.task.name})")
+        if self.task.reward_fn and self.task.name != "file":
+            raise ValueError(f"task.reward_fn is read by task.name=file only; task.name={self.task.name} scores with "
+                             "its own built-in reward. Drop task.reward_fn, or use task.name=file task.path=DATA")
         if self.task.name == "file" and not self.task.reward_fn:
             if not self.reward.model:
                 raise ValueError("task.name=file needs task.reward_fn=module:function, or reward.model=DIR "
@@ -449,7 +471,10 @@ def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
         return f"{loc}: unknown key; allowed keys here: {allowed}"
     msg = first["msg"]
     if first["type"].startswith("value_error") or not loc:
-        return f"{loc or 'config'}: {msg.removeprefix('Value error, ')}"
+        msg = msg.removeprefix("Value error, ")
+        if not loc or msg.startswith((f"{loc}.", f"{loc}=")):  # the message names its keys itself
+            return msg
+        return f"{loc}: {msg}"
     return f"{loc}: invalid value {first.get('input')!r}: {msg}"
 
 

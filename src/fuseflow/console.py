@@ -1,7 +1,9 @@
 """The CLI's console and its one-line error exit, shared by every command module.
 
-User errors print as ``error: <message>`` and exit 2. Messages are escaped because rich would
-otherwise read text such as ``pip install 'fuseflow[bench]'`` as markup and drop the brackets.
+User errors print as ``error: <message>`` on stderr, one line whatever the terminal width, and exit 2;
+progress and results go to stdout, so ``fuseflow config show > cfg.yaml`` never captures an error.
+Messages are escaped because rich would otherwise read text such as ``pip install 'fuseflow[bench]'``
+as markup and drop the brackets.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ console = Console()
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print ``message`` as a one-line error and exit with ``code`` (2: bad input)."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print ``message`` on stderr as a one-line error and exit with ``code`` (2: bad input)."""
+    # A fresh Console each time: it must write to the sys.stderr of the moment (typer's CliRunner swaps it).
+    line = " ".join(str(message).split())  # one line even if a library's message had newlines
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

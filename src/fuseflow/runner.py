@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from fuseflow.checkpoint import latest_checkpoint
+from fuseflow.checkpoint import latest_checkpoint, prune_checkpoints
 from fuseflow.config import Config
 from fuseflow.console import make_progress
 from fuseflow.controller.group import WorkerFailure
-from fuseflow.telemetry.metrics import read_metrics
+from fuseflow.preflight import check_inputs
+from fuseflow.telemetry.metrics import read_events, read_metrics
 from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
 from fuseflow.trainer import RLTrainer
 
@@ -25,44 +27,85 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     ``stop_after`` ends the run early after that step, as an interruption would (used by tests).
     """
     console = console or Console()
+    check_inputs(cfg)  # the files the config names, before the run directory exists
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         _write_atomic(run_dir / "config.yaml", cfg.to_yaml())
-    t = cfg.trainer
     with make_progress(console) as progress:
         trainer = RLTrainer(cfg, run_dir, resume=resume, log=console.print, progress=progress)
-        try:
-            (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model_config(), indent=1))
-            if not any(e["step"] == 0 for e in trainer.evals):
-                ev = trainer.evaluate(0)
-                if "accuracy" in ev:
-                    console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
-            bar = progress.add_task("RL", total=t.steps, completed=trainer.start_step)
-            for step in range(trainer.start_step + 1, t.steps + 1):
-                m = trainer.step(step)
-                if step % t.eval_every == 0 or step == t.steps:
-                    m |= {f"eval/{k}": v for k, v in trainer.evaluate(step).items()}
-                trainer.metrics.log(step, m)
-                if step % t.save_every == 0 or step == t.steps:
-                    trainer.save(step)
-                progress.update(bar, completed=step, description=(
-                    f"RL step {step} reward {m['reward/mean']:.3f} "
-                    + (f"acc {m['reward/accuracy']:.3f} " if "reward/accuracy" in m else "")
-                    + f"{m['perf/tokens_per_second']:.0f} tok/s"))
-                if stop_after is not None and step >= stop_after:
-                    break
-        except WorkerFailure as e:  # a worker died or a collective timed out: say what survives
-            ckpt = latest_checkpoint(run_dir)
-            kept = f"last checkpoint: {ckpt.name}" if ckpt else "no checkpoint had been written yet"
-            raise e.noted(f"{kept}; resume with: fuseflow train --resume {run_dir}") from None
-        finally:
-            trainer.close()
+        restarts, budget = 0, max_restarts(cfg)
+        bar = progress.add_task("RL", total=cfg.trainer.steps, completed=trainer.start_step)
+        while True:
+            clock = {"saved": time.perf_counter()}  # when the newest checkpoint was complete
+            try:
+                _run_steps(trainer, cfg, run_dir, progress, bar, clock, console, stop_after)
+                break
+            except WorkerFailure as e:  # a worker died or a collective timed out
+                failed_at, step = time.perf_counter(), trainer.current_step
+                trainer.close()
+                ckpt = latest_checkpoint(run_dir)
+                if restarts >= budget:  # say what survives and how to go on
+                    kept = f"last checkpoint: {ckpt.name}" if ckpt else "no checkpoint had been written yet"
+                    spent = f"after {restarts} automatic restart(s) (trainer.max_restarts={budget}); " if budget else ""
+                    raise e.noted(f"{spent}{kept}; resume with: fuseflow train --resume {run_dir}") from None
+                restarts += 1
+                console.print(f"[yellow]restart {restarts}/{budget}:[/] {e}; starting the workers again from "
+                              f"{ckpt.name if ckpt else 'the start'}", highlight=False)
+                # Same config, same placement, fresh processes; the exact-resume path reloads the checkpoint.
+                trainer = RLTrainer(cfg, run_dir, resume=True, log=console.print, progress=progress)
+                now = time.perf_counter()
+                lost = now - clock["saved"]  # the steps redone since the checkpoint, plus tear-down and start-up
+                trainer.metrics.event(trainer.start_step, "restart", failed_step=step, resumed_from=trainer.start_step,
+                                      cause=str(e), seconds_lost=round(lost, 3), restart_seconds=round(now - failed_at, 3))
+                trainer.tracer.record("restart", trainer.start_step, 0, now - lost, now, failed_step=step, cause=str(e))
+                progress.update(bar, completed=trainer.start_step)
+            except BaseException:
+                trainer.close()
+                raise
+        trainer.close()
+    if hasattr(trainer.task, "close"):
+        trainer.task.close()  # a reward process pool (reward.workers)
     summary = summarize(run_dir, trainer.evals, cfg, trainer.sft_curve)
     _write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     plot_run(run_dir, trainer.evals, trainer.sft_curve)
     print_summary(console, summary, run_dir)
     return summary
+
+
+def max_restarts(cfg: Config) -> int:
+    """``trainer.max_restarts``, or its default: 3 on Ray (worker processes can die alone), 0 locally."""
+    if cfg.trainer.max_restarts is not None:
+        return cfg.trainer.max_restarts
+    return 3 if cfg.backend == "ray" else 0
+
+
+def _run_steps(trainer: RLTrainer, cfg: Config, run_dir: Path, progress, bar, clock: dict, console: Console,
+               stop_after: int | None) -> None:
+    """The RL steps from the trainer's start step to ``trainer.steps``: step, evaluate, log, save."""
+    t = cfg.trainer
+    trainer.current_step = trainer.start_step
+    (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model_config(), indent=1))
+    if not any(e["step"] == 0 for e in trainer.evals):
+        ev = trainer.evaluate(0)
+        if "accuracy" in ev:
+            console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
+    for step in range(trainer.start_step + 1, t.steps + 1):
+        trainer.current_step = step
+        m = trainer.step(step)
+        if step % t.eval_every == 0 or step == t.steps:
+            m |= {f"eval/{k}": v for k, v in trainer.evaluate(step).items()}
+        trainer.metrics.log(step, m)
+        if step % t.save_every == 0 or step == t.steps:
+            trainer.save(step)
+            clock["saved"] = time.perf_counter()
+            prune_checkpoints(run_dir, t.keep_checkpoints, trainer.evals)  # only once the new one is complete
+        progress.update(bar, completed=step, description=(
+            f"RL step {step} reward {m['reward/mean']:.3f} "
+            + (f"acc {m['reward/accuracy']:.3f} " if "reward/accuracy" in m else "")
+            + f"{m['perf/tokens_per_second']:.0f} tok/s"))
+        if stop_after is not None and step >= stop_after:
+            break
 
 
 EXTRA_EVALS = ("cost", "rm_score", "gold_score", "gold_win_rate")
@@ -100,6 +143,7 @@ def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dic
         "stage_seconds": {k2: round(v, 3) for k2, v in sorted(stages.items())},
         "sft_steps": sft_curve[-1]["step"] if sft_curve else 0,
         "sft_best_accuracy": max((c["accuracy"] for c in sft_curve if "accuracy" in c), default=None),
+        "restarts": len(read_events(run_dir, "restart")),  # automatic restarts (trainer.max_restarts)
         "evals": ev,
     }
 

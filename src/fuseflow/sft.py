@@ -20,6 +20,7 @@ import torch
 
 from fuseflow.config import Config
 from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.data.files import read_json
 from fuseflow.evaluate import encode_prompts, evaluate
 from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.tasks import Task
@@ -175,7 +176,7 @@ def ensure_sft_model(cfg: Config, task: Task, tokenizer, device, dtype, progress
     cache = sft_cache_dir(cfg)
     if (cache / "sft_curve.json").is_file():
         log(f"SFT: reusing cached model {cache}")
-        return cache, json.loads((cache / "sft_curve.json").read_text())
+        return cache, read_json(cache / "sft_curve.json")
     log("SFT: training the warm-start model on task demonstrations (cached for later runs)")
     model, curve = train_sft(cfg, task, tokenizer, device, dtype, progress)
     tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")

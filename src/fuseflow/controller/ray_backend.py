@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 from .dispatch import from_wire, to_wire
@@ -40,7 +43,8 @@ def connect(address: str | None, num_cpus: float, num_gpus: float, timeout_s: fl
     if address:
         check_address(address, timeout_s)
         try:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            with _quiet_fd2():
+                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ClusterError(f"ray.address={address}: could not join the Ray cluster: {first}") from None
@@ -48,6 +52,24 @@ def connect(address: str | None, num_cpus: float, num_gpus: float, timeout_s: fl
     # Ray's CPU slots are a scheduling count, not a thread limit: reserve as many as the pools ask for.
     start_local_ray(max(os.cpu_count() or 1, int(num_cpus + 0.999)), int(num_gpus + 0.999))
     return True
+
+
+@contextmanager
+def _quiet_fd2():
+    """Hold back what Ray's C++ core writes straight to file descriptor 2 while joining a cluster.
+
+    Its GCS client logs every retry there (``Failed to connect to GCS ...``), bypassing Python's
+    logging; the user should see only fuseflow's own line when joining fails.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def start_local_ray(num_cpus: int, num_gpus: int = 0, env_vars: dict[str, str] | None = None) -> None:
@@ -72,11 +94,39 @@ def check_address(address: str, timeout_s: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ClusterError(f"ray.address={address!r}: expected HOST:PORT (e.g. 10.0.0.5:6379) or 'auto'")
+    wait = min(timeout_s, 10.0)
     try:
-        socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+        conn = socket.create_connection((host, int(port)), timeout=wait)
     except OSError as e:
         raise ClusterError(f"ray.address={address}: no Ray cluster reachable there ({e.strerror or e}); "
                            "start one with `ray start --head` or drop ray.address to run a local one") from None
+    # Something listens; Ray's GCS is a gRPC (HTTP/2) server, which answers a client preface with a
+    # SETTINGS frame at once. Anything else (a database, a closed-off proxy) would leave ray.init
+    # retrying for minutes while printing its own warnings, so it is refused here in seconds.
+    with conn:
+        try:
+            conn.settimeout(wait)
+            conn.sendall(_H2_PREFACE)
+            head = _recv_exactly(conn, 9)
+        except OSError:
+            head = b""
+    if len(head) < 9 or head[3] != 0x04:  # byte 3 of an HTTP/2 frame header is its type; 4 = SETTINGS
+        raise ClusterError(f"ray.address={address}: something listens there but it is not a Ray cluster (no gRPC "
+                           f"answer within {wait:g}s); check the head node's GCS port (default 6379)")
+
+
+# The HTTP/2 connection preface plus an empty SETTINGS frame (RFC 9113, section 3.4).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class RayCluster:
@@ -226,6 +276,8 @@ def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str)
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
+    from fuseflow.tasks import DataError, RewardError
+
     index = {ref: i for i, ref in enumerate(refs)}
     out: list = [None] * len(refs)
     pending = list(refs)
@@ -240,6 +292,8 @@ def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str)
                                     f"pool {pool}") from None
             except RayTaskError as e:
                 cause = e.cause if getattr(e, "cause", None) is not None else e
+                if isinstance(cause, (RewardError, DataError)):  # the user's function or data: their one line
+                    raise cause from None
                 raise WorkerFailure(role, ranks[i], method, f"{type(cause).__name__}: {_summary(cause)}",
                                     f"pool {pool}") from None
     return out

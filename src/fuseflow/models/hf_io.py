@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from fuseflow.data.files import BadFileError, read_json
 from fuseflow.models.device import resolve_device
 
 CONFIG_NAME = "config.json"
@@ -33,8 +34,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"no {CONFIG_NAME} in {path!s}; expected a Hugging Face model directory")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise BadFileError(f"{file} is not a model config: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def read_safetensors(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Tensor]:
@@ -44,8 +47,10 @@ def read_safetensors(path: str | Path, device: torch.device | str = "cpu") -> di
     if (root / WEIGHTS_NAME).is_file():
         return load_file(root / WEIGHTS_NAME, device=dev)
     if (root / INDEX_NAME).is_file():
-        with open(root / INDEX_NAME, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        index = read_json(root / INDEX_NAME)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise BadFileError(f"{root / INDEX_NAME} has no 'weight_map' object; it does not index any shards")
+        shards = sorted(set(index["weight_map"].values()))
         state: dict[str, Tensor] = {}
         for shard in shards:
             state.update(load_file(root / shard, device=dev))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fuseflow.data.batch import pad_sequences
+from fuseflow.data.files import read_json
 from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import ValueModel, last_token_values
 from fuseflow.workers.common import autocast, position_ids
@@ -59,7 +60,7 @@ class RewardModel:
         if not (p / META_FILE).is_file():
             raise ValueError(f"reward.model: {path} is not a reward-model directory (no {META_FILE}); "
                              "train one with `fuseflow train-rm --output DIR` and pass reward.model=DIR")
-        meta = json.loads((p / META_FILE).read_text())
+        meta = read_json(p / META_FILE, f"reward.model={path}")
         model = ValueModel.from_pretrained(p).to(device).eval().requires_grad_(False)
         return cls(model, load_tokenizer(p), device, dtype, batch_size, meta)
 

@@ -58,6 +58,14 @@ class Task(ABC):
         """The reward, checked: an exception names the task, a non-finite value becomes NaN."""
         return self._checked(self.reward, "reward", prompt, response)
 
+    def score_many(self, prompts: list[Prompt], responses: list[str]) -> list[float]:
+        """``score`` of each pair; a task whose reward is user code overrides it to batch the calls."""
+        return [self.score(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+    def cost_many(self, prompts: list[Prompt], responses: list[str]) -> list[float]:
+        """``checked_cost`` of each pair (see ``score_many``)."""
+        return [self.checked_cost(p, r) for p, r in zip(prompts, responses, strict=True)]
+
     def cost(self, prompt: Prompt, response: str) -> float:
         """A constraint signal next to the reward (lower is safer); tasks with ``has_cost`` override it."""
         raise NotImplementedError(f"task {self.name!r} defines no cost; safe_ppo needs a task with one")

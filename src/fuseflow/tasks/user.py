@@ -3,7 +3,10 @@
 Each row needs a ``prompt`` column; ``answer`` (passed to the reward) and
 ``response`` (an SFT demonstration) are optional. The reward function is given as
 ``package.module:function`` or ``path/to/file.py:function`` and is called as
-``fn(prompt: str, response: str, answer: str | None) -> float``. It may be left out
+``fn(prompt: str, response: str, answer: str | None) -> float``, or, for a batch function
+(``reward.batch=true`` or a name ending in ``_batch``), as
+``fn(prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]``;
+``fuseflow.tasks.calls`` checks every value and enforces ``reward.timeout_s``. It may be left out
 when a learned reward model (``reward.model``) supplies the reward. An optional cost
 function (``task.cost_fn``, same signature) gives safe_ppo its constraint signal.
 """
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .base import Prompt, Task
+from .calls import UserFunction
 
 
 class DataError(ValueError):
@@ -43,7 +47,7 @@ def read_rows(path: str | Path, field: str = "task.path", columns: str = "a 'pro
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+                    raise DataError(f"{field}: {path}:{i}: not valid JSON ({exc.msg}, column {exc.colno})") from None
     elif p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -61,7 +65,7 @@ def load_rows(path: str | Path, field: str = "task.path") -> list[dict]:
     missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or not isinstance(r.get("prompt"), str)
                or not r["prompt"]]
     if missing:
-        raise DataError(f"{path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
+        raise DataError(f"{field}: {path}: row {missing[0] + 1} has no 'prompt' string ({len(missing)} such rows)")
     return rows
 
 
@@ -82,12 +86,23 @@ def load_function(spec: str, field: str = "task.reward_fn") -> Callable:
             raise DataError(f"{field}: file {target} does not exist")
         mod_spec = importlib.util.spec_from_file_location(f"fuseflow_user_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except SyntaxError as exc:  # the file's own line, not importlib's 50-line traceback
+            raise DataError(f"{field}: {target}:{exc.lineno}: syntax error: {exc.msg}") from None
+        except Exception as exc:  # noqa: BLE001 - user code run at import: one line naming it
+            raise DataError(f"{field}: importing {target} raised {type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
     else:
         try:
             module = importlib.import_module(target)
+        except SyntaxError as exc:
+            raise DataError(f"{field}: {exc.filename}:{exc.lineno}: syntax error: {exc.msg}") from None
         except ImportError as exc:
             raise DataError(f"{field}: cannot import {target!r} ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - user code run at import: one line naming it
+            raise DataError(f"{field}: importing {target} raised {type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise DataError(f"{field}: {target} has no function {name!r}")
@@ -106,9 +121,9 @@ class FileTask(Task):
     def __init__(self, path: str, reward_fn: str | None, eval_path: str | None = None,
                  eval_size: int = 500, success_threshold: float = 1.0, cost_fn: str | None = None):
         self.success_threshold = success_threshold
-        self._fn = load_function(reward_fn) if reward_fn else None
+        self._fn = UserFunction(reward_fn, "task.reward_fn", "reward") if reward_fn else None
         self.has_reward = self._fn is not None
-        self._cost_fn = load_function(cost_fn, "task.cost_fn") if cost_fn else None
+        self._cost_fn = UserFunction(cost_fn, "task.cost_fn", "cost") if cost_fn else None
         self.has_cost = self._cost_fn is not None
         rows = load_rows(path)
         if eval_path:
@@ -127,15 +142,39 @@ class FileTask(Task):
         answer = row.get("answer")
         return Prompt(row["prompt"], None if answer is None else str(answer), {})
 
+    def configure_calls(self, timeout_s: float, workers: int, batch: bool | None) -> None:
+        """Apply ``reward.timeout_s``, ``reward.workers`` and ``reward.batch`` to the user's functions."""
+        for fn in (self._fn, self._cost_fn):
+            if fn is not None:
+                fn.configure(timeout_s, workers, batch)
+
+    def close(self) -> None:
+        """Stop the reward functions' process pools, if any."""
+        for fn in (self._fn, self._cost_fn):
+            if fn is not None:
+                fn.close()
+
     def reward(self, prompt: Prompt, response: str) -> float:
+        return self.score(prompt, response)
+
+    def score(self, prompt: Prompt, response: str) -> float:
+        return self.score_many([prompt], [response])[0]
+
+    def score_many(self, prompts: list[Prompt], responses: list[str]) -> list[float]:
         if self._fn is None:
-            return float("nan")  # no rule to judge by: the reward model is the only reward
-        return self._fn(prompt.text, response, prompt.answer)
+            return [float("nan")] * len(prompts)  # no rule to judge by: the reward model is the only reward
+        return self._fn([p.text for p in prompts], list(responses), [p.answer for p in prompts])
 
     def cost(self, prompt: Prompt, response: str) -> float:
+        return self.cost_many([prompt], [response])[0]
+
+    def checked_cost(self, prompt: Prompt, response: str) -> float:
+        return self.cost(prompt, response)
+
+    def cost_many(self, prompts: list[Prompt], responses: list[str]) -> list[float]:
         if self._cost_fn is None:
-            return super().cost(prompt, response)
-        return self._cost_fn(prompt.text, response, prompt.answer)
+            return super().cost_many(prompts, responses)
+        return self._cost_fn([p.text for p in prompts], list(responses), [p.answer for p in prompts])
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:
         return self._demos

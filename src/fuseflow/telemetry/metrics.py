@@ -37,12 +37,31 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
 
+    def event(self, step: int, kind: str, **fields) -> None:
+        """A non-step record (e.g. an automatic restart), kept in metrics.jsonl beside the steps.
+
+        ``step`` orders it among the steps; ``read_metrics`` leaves such records out and
+        ``read_events`` returns them.
+        """
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "event": kind, **{k: _plain(v) for k, v in fields.items()}}) + "\n")
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The per-step records of ``metrics.jsonl`` (events such as restarts left out)."""
+    return [r for r in _records(run_dir) if "event" not in r]
+
+
+def read_events(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The event records of ``metrics.jsonl`` (``MetricsLogger.event``), optionally of one kind."""
+    return [r for r in _records(run_dir) if "event" in r and (kind is None or r["event"] == kind)]
+
+
+def _records(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []

@@ -122,6 +122,8 @@ def build_reward(ctx: RoleContext, dist: DistInfo) -> RewardWorker:
 
         device, dtype = resolve_device(cfg.device)
         rm = RewardModel.load(cfg.reward.model, device, dtype, cfg.reward.batch_size)
+    if hasattr(ctx.task, "configure_calls"):  # a user's reward/cost function: timeout, process pool, batching
+        ctx.task.configure_calls(cfg.reward.timeout_s, cfg.reward.workers, cfg.reward.batch)
     worker = RewardWorker(ctx.task, rm, cfg.reward.fn_weight, cfg.reward.model_weight)
     worker.heldout = HeldOut.from_config(cfg, ctx.task, load_tokenizer(cfg.model.tokenizer))
     return worker

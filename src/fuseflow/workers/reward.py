@@ -63,7 +63,7 @@ class RewardWorker(Worker):
     @register("dp_split", split_args=2)
     def score(self, prompts: list[Prompt], responses: list[str]) -> RewardOutput:
         """Reward signals of finished samples, ``prompts[i]`` paired with ``responses[i]`` (see RewardOutput)."""
-        fn = torch.tensor([self.task.score(p, r) for p, r in zip(prompts, responses, strict=True)], dtype=torch.float32)
+        fn = torch.tensor(self.task.score_many(prompts, responses), dtype=torch.float32)
         t = self.task.success_threshold
         correct = ((fn == fn) & (fn >= t)).float()
         # At weight 0 the task function is only logged (e.g. the hidden gold rule), so its NaN is ignored.
@@ -74,6 +74,5 @@ class RewardWorker(Worker):
             scores = scores + self.model_weight * rm
         costs = None
         if self.task.has_cost:
-            costs = torch.tensor([self.task.checked_cost(p, r) for p, r in zip(prompts, responses, strict=True)],
-                                 dtype=torch.float32)
+            costs = torch.tensor(self.task.cost_many(prompts, responses), dtype=torch.float32)
         return RewardOutput(scores, correct, fn, rm, costs)
