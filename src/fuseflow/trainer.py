@@ -34,9 +34,10 @@ from fuseflow.config import Config
 from fuseflow.controller.cluster import make_cluster
 from fuseflow.controller.group import Future, WorkerGroup
 from fuseflow.data.batch import Batch, unpad
-from fuseflow.data.tokenizer import load_tokenizer
+from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import decode_response, encode_prompts
 from fuseflow.models import resolve_device
+from fuseflow.models.source import model_dir, run_tokenizer
 from fuseflow.recipes import (
     LagrangeMultiplier,
     compute_advantages,
@@ -88,7 +89,7 @@ class RLTrainer:
         self.device, self.dtype = resolve_device(cfg.device)
         self.task: Task = make_task(cfg.task)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = run_tokenizer(cfg, log)  # model.path's own tokenizer (a GGUF converts here, once)
         self.train_prompts = self.task.train_prompts()
         self.train_ids = encode_prompts(self.tokenizer, self.train_prompts, cfg.model.max_prompt_len)
         self.eval_prompts = self.task.eval_prompts()[: cfg.trainer.eval_size]
@@ -116,7 +117,7 @@ class RLTrainer:
                 sft_dir, curve = ensure_sft_model(cfg, self.task, self.tokenizer, self.device, self.dtype,
                                                   self.progress, self.log)
             elif cfg.model.path:
-                sft_dir, curve = Path(cfg.model.path), []
+                sft_dir, curve = model_dir(cfg), []
             else:
                 raise ValueError("sft.enabled=false needs model.path=DIR (a trained model to start RL from)")
             shutil.copytree(sft_dir, ref_dir.with_suffix(".tmp"), dirs_exist_ok=True)
@@ -238,7 +239,7 @@ class RLTrainer:
     def sampling(self) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(r.temperature, r.top_p, r.top_k, False, self.cfg.model.max_response_len,
-                              (self.tokenizer.eos_token_id,))
+                              stop_token_ids(self.tokenizer))
 
     # --------------------------------------------------- rollout and scoring
     def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
