@@ -4,7 +4,6 @@ and a tiny end-to-end GRPO run on a random Llama with a BPE chat tokenizer."""
 import json
 
 import pytest
-from real_model_fixtures import chat_tokenizer_dir
 from typer.testing import CliRunner
 
 from fuseflow.cli import app
@@ -13,6 +12,7 @@ from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.tasks import DataError, make_task
 from fuseflow.tasks.reasoning_gym import ReasoningGymTask, exact_answer, last_number
+from real_model_fixtures import chat_tokenizer_dir
 
 pytest.importorskip("reasoning_gym", reason="needs reasoning-gym (pip install 'fuseflow[real]')")
 runner = CliRunner()
