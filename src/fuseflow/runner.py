@@ -37,7 +37,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
             if not any(e["step"] == 0 for e in trainer.evals):
                 ev = trainer.evaluate(0)
                 if "accuracy" in ev:
-                    console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
+                    start = "SFT model" if cfg.sft.enabled else f"model.path={cfg.model.path}"
+                    console.print(f"Held-out accuracy before RL ({start}): {ev['accuracy']:.3f}")
             bar = progress.add_task("RL", total=t.steps, completed=trainer.start_step)
             for step in range(trainer.start_step + 1, t.steps + 1):
                 m = trainer.step(step)
