@@ -122,8 +122,8 @@ def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
     import shutil
 
     from fuseflow.console import make_progress
-    from fuseflow.data.tokenizer import load_tokenizer
     from fuseflow.models import resolve_device
+    from fuseflow.models.source import run_tokenizer
     from fuseflow.preflight import check_inputs
     from fuseflow.sft import ensure_sft_model
     from fuseflow.tasks import make_task
@@ -133,7 +133,7 @@ def sft(overrides: list[str] = OVERRIDES, preset: str = PRESET,
         check_inputs(cfg)
         device, dtype = resolve_device(cfg.device)
         with make_progress(console) as progress:
-            path, curve = ensure_sft_model(cfg, make_task(cfg.task), load_tokenizer(cfg.model.tokenizer), device,
+            path, curve = ensure_sft_model(cfg, make_task(cfg.task), run_tokenizer(cfg, console.print), device,
                                            dtype, progress, console.print)
         best = max(curve, key=lambda c: c["accuracy"]) if curve and "accuracy" in curve[0] else None
         if best:

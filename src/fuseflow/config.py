@@ -26,7 +26,7 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
-    name: Literal["arith", "safe_arith", "sort", "pref", "file"] = "arith"
+    name: Literal["arith", "safe_arith", "sort", "pref", "file", "reasoning_gym"] = "arith"
     seed: int = 1234  # data generation seed, separate from the training seed
     train_size: int = Field(20000, gt=0)
     eval_size: int = Field(500, gt=0)
@@ -44,6 +44,13 @@ class TaskConfig(_Section):
     reward_fn: str | None = None  # "package.module:function" or "path/to/file.py:function"
     cost_fn: str | None = None  # file: optional cost(prompt, response, answer) -> float, for safe_ppo
     success_threshold: float = 1.0  # a response with reward >= this counts as correct
+    # reasoning_gym: a dataset of the reasoning-gym package (pip install reasoning-gym) and its settings
+    # (difficulty etc.), passed to reasoning_gym.create_dataset as they are; see fuseflow.tasks.reasoning_gym.
+    dataset: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    instruction: str = ""  # reasoning_gym: appended to every question, e.g. " Answer with the number only."
+    # Prompts through the tokenizer's chat template (one user turn): null = when the tokenizer has one.
+    chat_template: bool | None = None
 
     @model_validator(mode="after")
     def _file_needs_paths(self) -> TaskConfig:
@@ -51,13 +58,22 @@ class TaskConfig(_Section):
         if self.name == "file" and not self.path:
             raise ValueError("task.name=file needs task.path=FILE.jsonl|.parquet (and task.reward_fn=module:function "
                              "unless reward.model=DIR gives the reward)")
+        if self.name == "reasoning_gym" and not self.dataset:
+            raise ValueError("task.name=reasoning_gym needs task.dataset=NAME (e.g. basic_arithmetic, chain_sum), "
+                             "with settings in task.config={...}")
+        if self.name != "reasoning_gym" and (self.dataset or self.config or self.instruction):
+            raise ValueError(f"task.dataset, task.config and task.instruction are read by task.name=reasoning_gym "
+                             f"only (got task.name={self.name})")
         return self
 
 
 class ModelSection(_Section):
     size: Literal["tiny", "small"] = "tiny"
-    path: str | None = None  # a Hugging Face model directory to start from instead of a size preset
-    tokenizer: str | None = None  # a Hugging Face tokenizer directory; default builds a char-level one
+    # Start from a pretrained model instead of a size preset: a Hugging Face directory, a .gguf file
+    # (converted once into cache_dir/gguf) or a named model (smollm2-135m); see fuseflow.models.source.
+    path: str | None = None
+    # A Hugging Face tokenizer directory; default: model.path's own tokenizer, else a built char-level one.
+    tokenizer: str | None = None
     max_prompt_len: int = Field(64, gt=0)
     max_response_len: int = Field(16, gt=0)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import decode_response, encode_prompts
 from fuseflow.rollout.base import RolloutRequest, SamplingParams
 from fuseflow.rollout.sampler import Sampler, make_requests
@@ -23,7 +24,7 @@ def greedy_responses(model, tokenizer, prompts: list[Prompt], max_prompt_len: in
                      batch_size: int = 256) -> list[str]:
     """The greedy response text to each prompt, in order."""
     sampler = Sampler(model, tokenizer.pad_token_id, max_batch=batch_size)
-    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+    params = SamplingParams(greedy=True, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     ids = encode_prompts(tokenizer, prompts, max_prompt_len)
     out = [""] * len(prompts)
     for s in sampler.generate(RolloutRequest(i, x, params) for i, x in enumerate(ids)):
@@ -40,7 +41,7 @@ def sampled_responses(model, tokenizer, prompts: list[Prompt], max_prompt_len: i
     """
     sampler = Sampler(model, tokenizer.pad_token_id, max_batch=batch_size)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                            stop_token_ids=(tokenizer.eos_token_id,))
+                            stop_token_ids=stop_token_ids(tokenizer))
     requests = make_requests(encode_prompts(tokenizer, prompts, max_prompt_len), params, n, seed)
     out = [""] * len(requests)
     for s in sampler.generate(requests):

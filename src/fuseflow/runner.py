@@ -89,7 +89,8 @@ def _run_steps(trainer: RLTrainer, cfg: Config, run_dir: Path, progress, bar, cl
     if not any(e["step"] == 0 for e in trainer.evals):
         ev = trainer.evaluate(0)
         if "accuracy" in ev:
-            console.print(f"Held-out accuracy before RL (SFT model): {ev['accuracy']:.3f}")
+            start = "SFT model" if cfg.sft.enabled else f"model.path={cfg.model.path}"
+            console.print(f"Held-out accuracy before RL ({start}): {ev['accuracy']:.3f}")
     for step in range(trainer.start_step + 1, t.steps + 1):
         trainer.current_step = step
         m = trainer.step(step)

@@ -21,8 +21,10 @@ import torch
 from fuseflow.config import Config
 from fuseflow.data.batch import Batch, pad_sequences
 from fuseflow.data.files import read_json
+from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import encode_prompts, evaluate
 from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.models.source import model_dir
 from fuseflow.tasks import Task
 from fuseflow.tasks.user import function_file
 from fuseflow.workers.common import autocast, clipped_step, response_logprobs, set_lr
@@ -96,7 +98,8 @@ def inputs_digest(paths: list[Path]) -> str:
 def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> Batch:
     prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs], max_prompt_len)
     resp_ids = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
-    resp_ids = [r[: max_response_len - 1] + [tokenizer.eos_token_id] for r in resp_ids]
+    end = stop_token_ids(tokenizer)[0]  # a chat model ends its turn with the template's end-of-turn token
+    resp_ids = [r[: max_response_len - 1] + [end] for r in resp_ids]
     pad = tokenizer.pad_token_id
     p_mask = pad_sequences([[1] * len(x) for x in prompt_ids], 0, left=True)
     r_mask = pad_sequences([[1] * len(x) for x in resp_ids], 0, left=False)
@@ -106,7 +109,7 @@ def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> 
 
 def new_model(cfg: Config, tokenizer) -> CausalLM:
     if cfg.model.path:
-        return CausalLM.from_pretrained(cfg.model.path)
+        return CausalLM.from_pretrained(model_dir(cfg))
     mcfg = ModelConfig.preset(cfg.model.size, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                               max_position_embeddings=cfg.model.max_prompt_len + cfg.model.max_response_len)

@@ -30,9 +30,9 @@ from fuseflow.config import Config
 from fuseflow.controller.cluster import make_cluster
 from fuseflow.controller.group import WorkerGroup
 from fuseflow.data.batch import Batch
-from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.evaluate import encode_prompts
 from fuseflow.models import resolve_device
+from fuseflow.models.source import model_dir, run_tokenizer
 from fuseflow.recipes import LagrangeMultiplier, compute_advantages, kl_controller, observed_kl, recipe_for
 from fuseflow.reward_model import RewardModel
 from fuseflow.schedule.modes import make_strategy
@@ -71,7 +71,7 @@ class RLTrainer:
         self.device, self.dtype = resolve_device(cfg.device)
         self.task: Task = make_task(cfg.task)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.tokenizer = run_tokenizer(cfg, log)  # model.path's own tokenizer (a GGUF converts here, once)
         self.train_prompts = self.task.train_prompts()
         self.train_ids = encode_prompts(self.tokenizer, self.train_prompts, cfg.model.max_prompt_len)
         # Started first, so a wrong ray.address fails before minutes of SFT.
@@ -101,7 +101,7 @@ class RLTrainer:
                 sft_dir, curve = ensure_sft_model(cfg, self.task, self.tokenizer, self.device, self.dtype,
                                                   self.progress, self.log)
             elif cfg.model.path:
-                sft_dir, curve = Path(cfg.model.path), []
+                sft_dir, curve = model_dir(cfg), []
             else:
                 raise ValueError("sft.enabled=false needs model.path=DIR (a trained model to start RL from)")
             shutil.copytree(sft_dir, ref_dir.with_suffix(".tmp"), dirs_exist_ok=True)

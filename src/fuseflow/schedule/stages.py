@@ -24,6 +24,7 @@ import torch
 
 from fuseflow.controller.group import Future, WorkerGroup
 from fuseflow.data.batch import Batch, scatter_rows, unpad
+from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import decode_response
 from fuseflow.recipes import informative_groups, overlong_penalty
 from fuseflow.rollout.base import RolloutRequest, Sample, SamplingParams
@@ -138,7 +139,7 @@ class Stages:
         """The rollout's sampling parameters (a request's seed is set per request)."""
         r = self.cfg.rollout
         return SamplingParams(r.temperature, r.top_p, r.top_k, False, self.cfg.model.max_response_len,
-                              (self.tokenizer.eos_token_id,))
+                              stop_token_ids(self.tokenizer))
 
     # ------------------------------------------------------------------ drawing
     def requests_for(self, step: int, rnd: int, n: int, offset: int) -> tuple[list[RolloutRequest], list]:

@@ -23,6 +23,11 @@ def make_task(cfg) -> Task:
         return SortTask(cfg.seed, cfg.train_size, cfg.eval_size, cfg.max_items)
     if cfg.name == "pref":
         return PrefTask(cfg.seed, cfg.train_size, cfg.eval_size)
+    if cfg.name == "reasoning_gym":
+        from .reasoning_gym import ReasoningGymTask  # imports reasoning-gym (an optional package) on use only
+
+        return ReasoningGymTask(cfg.dataset, cfg.config, cfg.seed, cfg.train_size, cfg.eval_size, cfg.instruction)
     if cfg.name == "file":
         return FileTask(cfg.path, cfg.reward_fn, cfg.eval_path, cfg.eval_size, cfg.success_threshold, cfg.cost_fn)
-    raise ValueError(f"task.name: unknown task {cfg.name!r}; choose arith, safe_arith, sort, pref or file")
+    raise ValueError(f"task.name: unknown task {cfg.name!r}; choose arith, safe_arith, sort, pref, file or "
+                     "reasoning_gym")

@@ -19,9 +19,9 @@ import torch
 from fuseflow.checkpoint import load_optimizer_state
 from fuseflow.config import Config
 from fuseflow.controller.worker import DistInfo
-from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ValueModel, resolve_device
 from fuseflow.models.parallelize import load_full_optimizer_state, shard_fsdp
+from fuseflow.models.source import run_tokenizer
 from fuseflow.rollout.sampler import Sampler
 from fuseflow.tasks import Task
 
@@ -81,7 +81,7 @@ def _load_optimizer(worker, ckpt: Path | None) -> None:
 def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = run_tokenizer(cfg)
     plain = CausalLM.from_pretrained(ctx.ckpt / "actor" if ctx.ckpt else ctx.ref_dir).to(device)
     worker = ActorWorker(_shard(plain, device, dist), rollout_backend(cfg, plain, tokenizer), device, dtype,
                          cfg.algorithm, cfg.trainer, cfg.rollout.temperature, cfg.model.max_response_len, plain=plain)
@@ -96,7 +96,7 @@ def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     device, dtype = resolve_device(cfg.device)
     worker = ReferenceWorker(CausalLM.from_pretrained(ctx.ref_dir).to(device), device, dtype,
                              cfg.rollout.temperature)
-    worker.heldout = HeldOut.from_config(cfg, ctx.task, load_tokenizer(cfg.model.tokenizer))
+    worker.heldout = HeldOut.from_config(cfg, ctx.task, run_tokenizer(cfg))
     worker.token_budget = cfg.schedule.token_budget
     return worker
 
@@ -125,5 +125,5 @@ def build_reward(ctx: RoleContext, dist: DistInfo) -> RewardWorker:
     if hasattr(ctx.task, "configure_calls"):  # a user's reward/cost function: timeout, process pool, batching
         ctx.task.configure_calls(cfg.reward.timeout_s, cfg.reward.workers, cfg.reward.batch)
     worker = RewardWorker(ctx.task, rm, cfg.reward.fn_weight, cfg.reward.model_weight)
-    worker.heldout = HeldOut.from_config(cfg, ctx.task, load_tokenizer(cfg.model.tokenizer))
+    worker.heldout = HeldOut.from_config(cfg, ctx.task, run_tokenizer(cfg))
     return worker
