@@ -193,6 +193,7 @@ def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
     from fuseflow.bench.controller import register as register_controller
     from fuseflow.bench.fusion import register as register_fusion
+    from fuseflow.bench.lora import register as register_lora
     from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
@@ -206,6 +207,7 @@ def _register_plugins() -> None:
     register_trl(bench_app)
     register_controller(bench_app)
     register_fusion(bench_app)
+    register_lora(bench_app)
 
 
 _register_plugins()
