@@ -172,22 +172,46 @@ def train_rm(overrides: list[str] = OVERRIDES,
 
 @app.command()
 def export(run_dir: Path = typer.Argument(..., help="A run directory made by fuseflow train."),
-           out_dir: Path = typer.Argument(..., help="Where to write the Hugging Face model directory."),
-           step: int = typer.Option(None, "--step", help="Checkpoint step (default: the latest).")) -> None:
-    """Write a checkpoint's policy as a Hugging Face model directory with its tokenizer."""
+           out_dir: Path = typer.Argument(..., help="Where to write the Hugging Face model (or peft adapter) directory."),
+           step: int = typer.Option(None, "--step", help="Checkpoint step (default: the latest)."),
+           merge: bool = typer.Option(False, "--merge", help="LoRA runs: write the base with the adapters merged "
+                                      "in (a plain HF model) instead of the peft adapter.")) -> None:
+    """Write a checkpoint's policy as a Hugging Face model directory (a LoRA run: its peft adapter) with its tokenizer."""
     from fuseflow.checkpoint import find_checkpoint
     from fuseflow.data.tokenizer import load_tokenizer
     from fuseflow.models import CausalLM
 
     try:
         ckpt = find_checkpoint(run_dir, step)
-        model = CausalLM.from_pretrained(ckpt / "actor")
-        model.save_pretrained(out_dir)
         tok_dir = ckpt / "actor"
-        load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").exists() else None).save_pretrained(str(out_dir))
+        tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").exists() else None)
+        from fuseflow.models.lora import is_adapter_dir
+
+        if is_adapter_dir(ckpt / "actor"):
+            what = _export_lora(ckpt / "actor", run_dir / "reference", out_dir, merge)
+        else:
+            CausalLM.from_pretrained(ckpt / "actor").save_pretrained(out_dir)
+            what = "transformers.AutoModelForCausalLM.from_pretrained"
+        tokenizer.save_pretrained(str(out_dir))
     except _user_errors() as e:
         fail(str(e))
-    console.print(f"Exported {ckpt} to {out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+    console.print(f"Exported {ckpt} to {out_dir} (load with {what})")
+
+
+def _export_lora(adapter_dir: Path, base_dir: Path, out_dir: Path, merge: bool) -> str:
+    """A LoRA checkpoint: the peft adapter (its base: the run's reference model), or the merged model."""
+    from fuseflow.models import CausalLM
+    from fuseflow.models.lora import apply_lora, load_adapter, merged_model, read_adapter_spec, save_adapter
+
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{base_dir}: the run's base model is missing; a LoRA checkpoint needs it")
+    model = apply_lora(CausalLM.from_pretrained(base_dir), read_adapter_spec(adapter_dir))
+    load_adapter(model, adapter_dir)
+    if merge:
+        merged_model(model).save_pretrained(out_dir)
+        return "transformers.AutoModelForCausalLM.from_pretrained"
+    save_adapter(model, out_dir, base_path=base_dir.resolve())
+    return f"peft.PeftModel.from_pretrained on the base {base_dir}"
 
 
 @app.command("presets")
@@ -202,6 +226,7 @@ def _register_plugins() -> None:
     from fuseflow.bench.controller import register as register_controller
     from fuseflow.bench.fusion import register as register_fusion
     from fuseflow.bench.gpu import register as register_gpu
+    from fuseflow.bench.lora import register as register_lora
     from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
@@ -216,6 +241,7 @@ def _register_plugins() -> None:
     register_controller(bench_app)
     register_fusion(bench_app)
     register_gpu(bench_app)
+    register_lora(bench_app)
 
 
 _register_plugins()

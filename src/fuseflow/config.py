@@ -67,6 +67,32 @@ class TaskConfig(_Section):
         return self
 
 
+class LoraSection(_Section):
+    """LoRA on the policy (peft's conventions); only the adapters train, the reference is the frozen base."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    @model_validator(mode="after")
+    def _shape(self) -> LoraSection:
+        if self.rank <= 0:
+            raise ValueError(f"rank={self.rank} must be a positive integer (the adapters' inner dimension, "
+                             "e.g. 8 or 16); turn LoRA off with model.lora.enabled=false")
+        if self.enabled:
+            from fuseflow.models.lora import targetable_names, unmatched_targets
+
+            if not self.targets:
+                raise ValueError("targets is empty; name the modules to adapt, e.g. [q_proj, v_proj]")
+            bad = unmatched_targets(self.targets)
+            if bad:
+                raise ValueError(f"targets: {bad[0]!r} matches no module of the decoder; choose from "
+                                 f"{', '.join(targetable_names())}")
+        return self
+
+
 class ModelSection(_Section):
     size: Literal["tiny", "small"] = "tiny"
     # Start from a pretrained model instead of a size preset: a Hugging Face directory, a .gguf file
@@ -76,6 +102,7 @@ class ModelSection(_Section):
     tokenizer: str | None = None
     max_prompt_len: int = Field(64, gt=0)
     max_response_len: int = Field(16, gt=0)
+    lora: LoraSection = LoraSection()
 
 
 class SFTConfig(_Section):
@@ -451,6 +478,9 @@ class Config(_Section):
             if self.reward.fn_weight:
                 raise ValueError(f"reward.fn_weight={self.reward.fn_weight} weighs the task's reward function, "
                                  "but task.reward_fn is not set; set task.reward_fn or reward.fn_weight=0")
+        if self.model.lora.enabled and self.rollout.backend == "hf":
+            raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=hf "
+                             "keeps a second full copy without them: use rollout.backend=engine (or sampler)")
         if a.kl_target is not None and a.kl_coef == 0:
             raise ValueError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 and would "
                              "stay 0; set algorithm.kl_coef>0 as the starting value, or drop kl_target")
@@ -460,8 +490,10 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     def digest(self, *sections: str) -> str:
-        """Stable hash of the named sections (all when none), e.g. to key the SFT cache."""
-        data = self.model_dump(mode="json")
+        """Stable hash of the named sections (all when none), e.g. to key the SFT cache.
+
+        ``model.lora`` is left out: it shapes only RL, so a LoRA run reuses the full-model SFT cache."""
+        data = self.model_dump(mode="json", exclude={"model": {"lora"}})
         if sections:
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -57,6 +57,8 @@ class ReferenceWorker(Worker):
     @torch.no_grad()
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """(B, Tr) log-probs of each response token under this worker's model (0 on padding)."""
+        self.model.eval()  # no dropout (LoRA's) in scoring; update() switches back to train()
+
         def run(mb: Batch) -> torch.Tensor:
             with autocast(self.device, self.dtype):
                 return response_logprobs(self.model, mb.to(self.device), self.temperature).cpu()
@@ -110,7 +112,8 @@ class ActorWorker(TrainableRole, ReferenceWorker):
         self.device, self.dtype, self.temperature = device, dtype, temperature
         self.algo, self.cfg, self.mbs = algo, trainer, trainer.micro_batch_size
         self.policy_loss = get_policy_loss(algo.policy_loss)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr, weight_decay=trainer.weight_decay,
+        # Only trainable tensors: with LoRA the frozen base has no Adam moments (the optimizer state is the adapters').
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.95))
 
     @register("dp_split")
@@ -160,6 +163,7 @@ class ActorWorker(TrainableRole, ReferenceWorker):
                              **{f"actor/{k}": m[k] for k in ("is_weight_mean", "is_cap_frac") if k in m}}.items():
                     rec[k] = rec.get(k, 0.0) + float(v.detach()) * (1.0 if k.endswith("loss") else share)
             rec = self.all_reduce_sum(rec)
+            self.reduce_replicated_grads()
             rec["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "actor")
             records.append(rec)
         return mean_metrics(records)

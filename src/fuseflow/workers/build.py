@@ -6,6 +6,12 @@ pool's processes, so weights load where they are used and never cross a process
 boundary. A trainable role with ``dp > 1`` is sharded with FSDP2 before its optimizer
 is made; on resume the optimizer state (saved in the single-process layout) is sharded
 the same way.
+
+With ``model.lora.enabled`` the actor is the run's base model (``ref_dir``) with peft adapters
+(``models.lora``), resumed from the adapter its checkpoint saved. It leaves a view of its frozen
+base in this process (``_FROZEN_BASES``) for the reference built next on the same rank (colocated
+roles share a process), so the reference is the same base tensors, not a second copy. A reference
+placed in another process loads its own.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from fuseflow.checkpoint import load_optimizer_state
 from fuseflow.config import Config
 from fuseflow.controller.worker import DistInfo
 from fuseflow.models import CausalLM, ValueModel, resolve_device
+from fuseflow.models.lora import LoraSpec, apply_lora, base_view, load_adapter, lora_spec
 from fuseflow.models.parallelize import load_full_optimizer_state, shard_fsdp
 from fuseflow.models.source import run_tokenizer
 from fuseflow.rollout.sampler import Sampler
@@ -63,9 +70,34 @@ def rollout_backend(cfg: Config, model: CausalLM, tokenizer):
     return Sampler(model, pad)
 
 
+# (ref_dir, rank) -> the base view of the LoRA actor built in this process, for the reference role.
+_FROZEN_BASES: dict[tuple[str, int], CausalLM] = {}
+
+
 def _shard(plain: torch.nn.Module, device: torch.device, dist: DistInfo) -> torch.nn.Module:
-    """The model the optimizer trains: FSDP shards of a copy when dp > 1, else ``plain`` itself."""
-    return shard_fsdp(copy.deepcopy(plain), device.type, dist.world_size) if dist.distributed else plain
+    """The model the optimizer trains: FSDP shards of a copy when dp > 1, else ``plain`` itself
+    (also for a LoRA policy, which trains replicated: see ``workers.parallel``)."""
+    if lora_spec(plain) is not None or not dist.distributed:
+        return plain
+    return shard_fsdp(copy.deepcopy(plain), device.type, dist.world_size)
+
+
+def lora_spec_of(cfg: Config) -> LoraSpec | None:
+    """The adapters ``model.lora`` asks for, or None when LoRA is off."""
+    lo = cfg.model.lora
+    return LoraSpec(lo.rank, lo.alpha, lo.dropout, tuple(lo.targets)) if lo.enabled else None
+
+
+def _policy(ctx: RoleContext, device: torch.device, dist: DistInfo) -> CausalLM:
+    """The actor's model: the checkpoint's (or the reference's) weights, or the base plus LoRA adapters."""
+    spec = lora_spec_of(ctx.cfg)
+    if spec is None:
+        return CausalLM.from_pretrained(ctx.ckpt / "actor" if ctx.ckpt else ctx.ref_dir).to(device)
+    model = apply_lora(CausalLM.from_pretrained(ctx.ref_dir).to(device), spec, seed=ctx.cfg.seed)
+    if ctx.ckpt:
+        load_adapter(model, ctx.ckpt / "actor")
+    _FROZEN_BASES[(str(ctx.ref_dir), dist.rank)] = base_view(model)
+    return model
 
 
 def _load_optimizer(worker, ckpt: Path | None) -> None:
@@ -82,11 +114,12 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
     tokenizer = run_tokenizer(cfg)
-    plain = CausalLM.from_pretrained(ctx.ckpt / "actor" if ctx.ckpt else ctx.ref_dir).to(device)
+    plain = _policy(ctx, device, dist)
     worker = ActorWorker(_shard(plain, device, dist), rollout_backend(cfg, plain, tokenizer), device, dtype,
                          cfg.algorithm, cfg.trainer, cfg.rollout.temperature, cfg.model.max_response_len, plain=plain)
     worker.tokenizer, worker.heldout = tokenizer, HeldOut.from_config(cfg, ctx.task, tokenizer)
     worker.token_budget = cfg.schedule.token_budget
+    worker.base_path = ctx.ref_dir.resolve()
     _load_optimizer(worker, ctx.ckpt)
     return worker
 
@@ -94,8 +127,9 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
 def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
-    worker = ReferenceWorker(CausalLM.from_pretrained(ctx.ref_dir).to(device), device, dtype,
-                             cfg.rollout.temperature)
+    shared = _FROZEN_BASES.pop((str(ctx.ref_dir), dist.rank), None) if cfg.model.lora.enabled else None
+    model = shared if shared is not None else CausalLM.from_pretrained(ctx.ref_dir).to(device)
+    worker = ReferenceWorker(model, device, dtype, cfg.rollout.temperature)
     worker.heldout = HeldOut.from_config(cfg, ctx.task, run_tokenizer(cfg))
     worker.token_budget = cfg.schedule.token_budget
     return worker

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuseflow.models.llama import CausalLM, attend, rope_cos_sin, rope_inv_freq
+from fuseflow.models.lora import lora_parts
 
 from .kv import DecodeCache, KVPool
 from .scheduler import StepPlan
@@ -63,11 +64,15 @@ class Linears:
 
     def __call__(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
         if self._dnnl(x, layer.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
-        return F.linear(x, layer.weight, layer.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        else:
+            y = F.linear(x, layer.weight, layer.bias)
+        return _add_lora(y, x, layer)
 
     def silu(self, x: Tensor, layer: torch.nn.Linear) -> Tensor:
         """silu(x W^T + b)."""
+        if lora_parts(layer) is not None:  # the adapter's term goes in before the activation
+            return F.silu(self(x, layer))
         if self._dnnl(x, layer.weight):
             return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "swish", [], "")
         return F.silu(F.linear(x, layer.weight, layer.bias))
@@ -75,10 +80,25 @@ class Linears:
     def add(self, h: Tensor, x: Tensor, layer: torch.nn.Linear) -> Tensor:
         """h + x W^T + b, as one fused op (h is not modified)."""
         if self._dnnl(x, layer.weight):
-            return torch.ops.mkldnn._linear_pointwise.binary(x, h, layer.weight, layer.bias, "add")
-        if layer.bias is None:
-            return torch.addmm(h, x, layer.weight.t())
-        return h + F.linear(x, layer.weight, layer.bias)
+            y = torch.ops.mkldnn._linear_pointwise.binary(x, h, layer.weight, layer.bias, "add")
+        elif layer.bias is None:
+            y = torch.addmm(h, x, layer.weight.t())
+        else:
+            y = h + F.linear(x, layer.weight, layer.bias)
+        return _add_lora(y, x, layer)
+
+
+def _add_lora(y: Tensor, x: Tensor, layer: torch.nn.Module) -> Tensor:
+    """y + scaling * (x A^T) B^T for a LoRA-adapted layer (in place on the fresh output y), else y.
+
+    The adapted weights are never formed: two thin products per layer instead of a merged copy of
+    W, and the base W (shared with the reference) is never written. Inference: no dropout.
+    """
+    parts = lora_parts(layer)
+    if parts is None:
+        return y
+    a, b, scaling = parts
+    return y.addmm_(F.linear(x, a), b.t(), alpha=scaling)
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
