@@ -66,8 +66,10 @@ def run_instance(
     seed: int = 0,
     plot_dir: Path | None = None,
     progress=None,
+    memory_cap: float | None = None,
 ) -> dict[str, Any]:
-    """Solve one instance and gather everything the report needs (see the CLI help)."""
+    """Solve one instance (peak memory capped at `memory_cap` if given) and gather
+    everything the report needs (see the CLI help)."""
     from fuseflow.schedule.pipeline.baselines import greedy_fused, serial_1f1b
     from fuseflow.schedule.pipeline.bounds import lower_bound
     from fuseflow.schedule.pipeline.problem import check_timed
@@ -76,7 +78,7 @@ def run_instance(
     lb = lower_bound(inst)
     serial = serial_1f1b(inst)
     greedy = greedy_fused(inst)
-    res = solve(inst, seconds=seconds, seed=seed, progress=progress)
+    res = solve(inst, seconds=seconds, seed=seed, progress=progress, memory_cap=memory_cap)
     problems = check_timed(inst, res.start)
     spec = inst.spec()
     out: dict[str, Any] = {
@@ -90,6 +92,7 @@ def run_instance(
         },
         "makespan": res.makespan,
         "gap_to_lower_bound_pct": round(100 * (res.makespan / lb.value - 1), 3),
+        "memory_cap": memory_cap,
         "peak_memory": round(res.peak_memory, 4),
         "sum_of_peaks": round(sum(res.device_peaks), 4),
         "device_peaks": [round(p, 4) for p in res.device_peaks],
@@ -100,7 +103,7 @@ def run_instance(
         "speedup_vs_serial_1f1b": round(serial.makespan / res.makespan, 4),
         "solve_seconds": res.seconds,
         "deterministic": res.deterministic,
-        "valid": not problems,
+        "valid": not problems and (memory_cap is None or res.peak_memory <= memory_cap + 1e-9),
         "problems": problems[:5],
         "history": [list(h) for h in res.history],
         "flexfusion": None,
@@ -136,6 +139,9 @@ def register(bench_app: typer.Typer) -> None:
         out: Path = typer.Option(None, "--out", help="Write the results as JSON here."),
         plot_dir: Path = typer.Option(None, "--plot-dir", help="Write a Gantt PNG per instance here."),
         seed: int = typer.Option(0, "--seed", help="Random seed of the solver."),
+        memory_cap: float = typer.Option(
+            None, "--memory-cap", help="Hard cap on every device's peak activation memory (makespan is traded for it)."
+        ),
     ) -> None:
         """Fused actor/critic pipeline schedules vs serial 1F1B, greedy and FlexFusion."""
         from rich.console import Console
@@ -150,6 +156,15 @@ def register(bench_app: typer.Typer) -> None:
         if not seconds > 0:
             console.print(f"[bold red]error:[/] --seconds={seconds} is invalid: it must be > 0", highlight=False)
             raise typer.Exit(2)
+        if memory_cap is not None:
+            from fuseflow.schedule.pipeline.memcap import InfeasibleCap, check_cap
+
+            try:
+                for inst in instances:
+                    check_cap(inst, memory_cap)
+            except InfeasibleCap as err:
+                console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+                raise typer.Exit(2) from None
         results = []
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
@@ -161,7 +176,8 @@ def register(bench_app: typer.Typer) -> None:
                 def report(stage: str, makespan: int, peak: float, label: str = label) -> None:
                     bar.update(task, description=f"{label}: {stage} makespan {makespan} peak {peak:g}")
 
-                results.append(run_instance(inst, seconds, seed=seed, plot_dir=plot_dir, progress=report))
+                results.append(run_instance(inst, seconds, seed=seed, plot_dir=plot_dir, progress=report,
+                                            memory_cap=memory_cap))
                 bar.advance(task)
         _print_table(results)
         if out is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fuseflow.schedule.pipeline import cpsat, memory
+from fuseflow.schedule.pipeline import cpsat, memcap, memory
 from fuseflow.schedule.pipeline.heuristic import latest_finish
 from fuseflow.schedule.pipeline.problem import PipelineInstance, Task, evaluate, order_from_times
 from fuseflow.schedule.pipeline.state import Progress, Search
@@ -57,7 +57,8 @@ def _stage_makespan(sr: Search) -> None:
     # Generous caps: the heavier model in strict 1F1B, the other one loosely capped.
     # On the 32-micro-batch instances this graph reached the bound from its first
     # latest-start order, where the unconstrained one stalled one unit above it.
-    caps = caps_for_target(inst, rl, 2 * (inst.stages(rl.primary) * inst.mem(rl.primary) + inst.mem(rl.secondary)))
+    target = 2 * (inst.stages(rl.primary) * inst.mem(rl.primary) + inst.mem(rl.secondary))
+    caps = caps_for_target(inst, rl, target if sr.cap is None else min(target, sr.cap))
     graphs = ([cap_edges(g0, caps)] if caps is not None else []) + [[]]
     for edges in graphs:
         g = g0.with_edges(edges)
@@ -77,21 +78,43 @@ def _stage_makespan(sr: Search) -> None:
             return
 
 
+def _stage_capped(sr: Search, cap: float) -> None:
+    """Under a cap: make sure there is an incumbent (the one-at-a-time schedule always fits),
+    then let CP-SAT shorten it with the exact peak constrained, where the model is small."""
+    inst, g0 = sr.inst, sr.g0
+    if sr.best_score is None:
+        start = memcap.one_at_a_time(inst)
+        sr.offer("memory-cap", [start[t] for t in g0.tasks], [])
+    if sr.best_score[0] <= sr.lb or g0.n > memory.CP_MEMORY_MAX_TASKS or sr.left() < 0.5:
+        return
+    out = sr.note(memcap.min_makespan(g0, sr.best_score[0], cap, sr.effort(memory.EXACT_DET), sr.best_start,
+                                      sr.seed))
+    if out.status == "solved":
+        sr.offer("memory-cap-cp", out.start, [])
+
+
 def solve(
     inst: PipelineInstance,
     seconds: float = 60.0,
     seed: int = 0,
     progress: Progress | None = None,
+    memory_cap: float | None = None,
 ) -> SolveResult:
     """Fused schedule minimising makespan, then peak memory, then the sum of peaks.
 
-    Stops when its stages have spent their effort or after `seconds`, whichever is first.
-    Example: `solve(PipelineInstance.parse("8,4,8,4,5,4,1.95,2"), seconds=10).makespan`.
+    With `memory_cap` no device's peak may exceed it (a hard constraint, so makespan is
+    traded for memory); a cap no schedule meets raises memcap.InfeasibleCap before any
+    search. Stops when its stages have spent their effort or after `seconds`, whichever
+    is first. Example: `solve(PipelineInstance.parse("8,4,8,4,5,4,1.95,2"), seconds=10).makespan`.
     """
     if seconds <= 0:
         raise ValueError(f"seconds={seconds!r} is invalid: it must be > 0")
-    sr = Search(inst, seconds, seed, progress)
+    if memory_cap is not None:
+        memcap.check_cap(inst, memory_cap)
+    sr = Search(inst, seconds, seed, progress, cap=memory_cap)
     _stage_makespan(sr)
+    if memory_cap is not None:
+        _stage_capped(sr, memory_cap)
     memory.minimise(sr)
     # Re-time the best order with the reference evaluator: it is the source of truth.
     order = order_from_times(inst, sr.g0.times_to_tasks(sr.best_start))

@@ -31,8 +31,10 @@ def score_of(makespan: int, peaks: list[float]) -> Score:
 class Search:
     """Everything a stage needs: the instance graph, budgets, random stream and incumbent."""
 
-    def __init__(self, inst: PipelineInstance, seconds: float, seed: int, progress: Progress | None):
+    def __init__(self, inst: PipelineInstance, seconds: float, seed: int, progress: Progress | None,
+                 cap: float | None = None):
         self.inst = inst
+        self.cap = cap  # hard cap on peak memory: offers above it are refused (memcap.py)
         self.g0 = TaskGraph(inst)
         self.roles = roles(inst)  # primary/secondary model and the primary's 1F1B caps, for every stage
         self.primary_edges = cap_edges(self.g0, self.roles.primary_caps)  # those caps as g0 edges (memory stages)
@@ -64,6 +66,8 @@ class Search:
     def offer(self, stage: str, start: list[int], edges: list[tuple[int, int]]) -> bool:
         """Keep `start` (found under posted `edges`) if it beats the incumbent."""
         score = score_of(self.makespan_of(start), device_peaks_of(self.g0, start))
+        if self.cap is not None and score[1] > self.cap + 1e-9:
+            return False
         if self.best_score is not None and score >= self.best_score:
             return False
         self.best_score, self.best_start, self.best_edges = score, list(start), list(edges)
