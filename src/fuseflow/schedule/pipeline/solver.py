@@ -32,6 +32,9 @@ CP_FEASIBLE_DET = 5.0  # deterministic seconds for CP-SAT feasibility at the bou
 # Above this many tasks a cold CP-SAT feasibility search at the bound did not finish in
 # 30 CPU seconds ("16,16,64,64,...": 3,072 tasks) and left the memory stages no time.
 CP_FEASIBLE_MAX_TASKS = 1600
+# Under a memory cap the uncapped stages (which often end within the cap: they minimise
+# memory too) get this share of the safety stop; the capped stages get the rest.
+CAP_FIRST_SHARE = 0.6
 
 
 @dataclass
@@ -57,8 +60,7 @@ def _stage_makespan(sr: Search) -> None:
     # Generous caps: the heavier model in strict 1F1B, the other one loosely capped.
     # On the 32-micro-batch instances this graph reached the bound from its first
     # latest-start order, where the unconstrained one stalled one unit above it.
-    target = 2 * (inst.stages(rl.primary) * inst.mem(rl.primary) + inst.mem(rl.secondary))
-    caps = caps_for_target(inst, rl, target if sr.cap is None else min(target, sr.cap))
+    caps = caps_for_target(inst, rl, 2 * (inst.stages(rl.primary) * inst.mem(rl.primary) + inst.mem(rl.secondary)))
     graphs = ([cap_edges(g0, caps)] if caps is not None else []) + [[]]
     for edges in graphs:
         g = g0.with_edges(edges)
@@ -79,18 +81,30 @@ def _stage_makespan(sr: Search) -> None:
 
 
 def _stage_capped(sr: Search, cap: float) -> None:
-    """Under a cap: make sure there is an incumbent (the one-at-a-time schedule always fits),
-    then let CP-SAT shorten it with the exact peak constrained, where the model is small."""
+    """Once the uncapped stages ended above the cap: restart from the best schedule within
+    it (the one-at-a-time schedule always fits), let CP-SAT shorten it with the exact peak
+    constrained where the model is small, then search towards the bound under caps that
+    fit in `cap` and run the memory stages again, every offer now held to the cap."""
     inst, g0 = sr.inst, sr.g0
-    if sr.best_score is None:
+    uncapped = sr.best_start
+    if sr.feasible is None:
         start = memcap.one_at_a_time(inst)
         sr.offer("memory-cap", [start[t] for t in g0.tasks], [])
-    if sr.best_score[0] <= sr.lb or g0.n > memory.CP_MEMORY_MAX_TASKS or sr.left() < 0.5:
-        return
-    out = sr.note(memcap.min_makespan(g0, sr.best_score[0], cap, sr.effort(memory.EXACT_DET), sr.best_start,
-                                      sr.seed))
-    if out.status == "solved":
-        sr.offer("memory-cap-cp", out.start, [])
+    sr.restart_from_feasible()
+    caps = caps_for_target(inst, sr.roles, cap)
+    if caps is not None and sr.best_score[0] > sr.lb:
+        edges = cap_edges(g0, caps)
+        g = g0.with_edges(edges)
+        lf = latest_finish(g, sr.lb)
+        _, start = sr.heuristic(g, [lf[i] - g.dur[i] for i in range(g.n)], sr.lb, sr.rounds_for(MAKESPAN_WORK))
+        sr.offer("makespan-capped", start, edges)
+    if sr.best_score[0] > sr.lb and g0.n <= memory.CP_MEMORY_MAX_TASKS and sr.left() >= 0.5:
+        # The uncapped schedule is a good hint: usually a few moves from one within the cap.
+        out = sr.note(memcap.min_makespan(g0, sr.best_score[0], cap, sr.effort(memory.EXACT_DET), uncapped,
+                                          sr.seed))
+        if out.status == "solved":
+            sr.offer("memory-cap-cp", out.start, [])
+    memory.minimise(sr)
 
 
 def solve(
@@ -112,10 +126,13 @@ def solve(
     if memory_cap is not None:
         memcap.check_cap(inst, memory_cap)
     sr = Search(inst, seconds, seed, progress, cap=memory_cap)
-    _stage_makespan(sr)
     if memory_cap is not None:
-        _stage_capped(sr, memory_cap)
+        sr.deadline = sr.t0 + CAP_FIRST_SHARE * seconds  # leave the capped stages time of their own
+    _stage_makespan(sr)
     memory.minimise(sr)
+    if memory_cap is not None and sr.peak > memory_cap + 1e-9:
+        sr.deadline = sr.t0 + seconds
+        _stage_capped(sr, memory_cap)
     # Re-time the best order with the reference evaluator: it is the source of truth.
     order = order_from_times(inst, sr.g0.times_to_tasks(sr.best_start))
     ev = evaluate(inst, order)
