@@ -61,3 +61,27 @@ def test_cli_memory_cap(tmp_path):
     assert ok.exit_code == 0, ok.output
     rec = json.loads(out.read_text())
     assert rec["memory_cap"] == 2.5 and rec["peak_memory"] <= 2.5 and rec["valid"]
+
+
+def test_execute_bad_input_is_one_line():
+    from fuseflow.cli import app
+
+    runner = CliRunner()
+    for args, text in ((["--model", "huge"], "--model='huge' is unknown"),
+                       (["--micro-batches", "0"], "--micro-batches=0 is invalid"),
+                       (["--instance", INST.spec()], "--instance does not apply to --execute")):
+        res = runner.invoke(app, ["bench", "pipeline", "--execute", *args])
+        assert res.exit_code == 2 and f"error: {text}" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_execute_record_is_consistent():
+    from fuseflow.schedule.pipeline import execbench
+
+    rec = execbench.run(model="tiny", vocab=64, micro_batches=2, rows=1, prompt=4, response=4, repeats=1,
+                        solver_seconds=2)
+    med, pred = rec["median_makespan_s"], rec["predicted_makespan_s"]
+    assert rec["fused_speedup_vs_serial"] == round(med["serial"] / med["fused"], 4)
+    assert rec["prediction_error"] == round(med["fused"] / pred["fused"] - 1, 4)
+    assert len(rec["measured_makespan_s"]["fused"]) == 1 and len(rec["fused_plan"]) == 2
+    assert rec["solver"]["makespan"] >= rec["solver"]["lower_bound"]

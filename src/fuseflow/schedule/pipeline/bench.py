@@ -142,12 +142,22 @@ def register(bench_app: typer.Typer) -> None:
         memory_cap: float = typer.Option(
             None, "--memory-cap", help="Hard cap on every device's peak activation memory (makespan is traded for it)."
         ),
+        execute: bool = typer.Option(
+            False, "--execute", help="Run serial-1F1B and the solved fused schedule on 2 stage processes "
+            "(actor + critic PPO steps) and compare measured makespans with each other and the prediction."
+        ),
+        model: str = typer.Option("small", "--model", help="With --execute: model preset of actor and critic."),
+        micro_batches: int = typer.Option(4, "--micro-batches", help="With --execute: micro-batches per model."),
+        repeats: int = typer.Option(3, "--repeats", help="With --execute: measured steps per schedule."),
     ) -> None:
         """Fused actor/critic pipeline schedules vs serial 1F1B, greedy and FlexFusion."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=True)
+        if execute:
+            _execute(console, model, micro_batches, repeats, seconds, memory_cap, instance, out)
+            return
         try:
             instances = _parse_instances(instance)
         except ValueError as err:
@@ -186,6 +196,36 @@ def register(bench_app: typer.Typer) -> None:
             out.write_text(json.dumps(payload, indent=1))
         if not all(r["valid"] for r in results):
             raise typer.Exit(1)
+
+
+def _execute(console, model: str, micro_batches: int, repeats: int, seconds: float, memory_cap: float | None,
+             instance: str | None, out: Path | None) -> None:
+    from fuseflow.models.config import PRESETS
+    from fuseflow.schedule.pipeline import execbench
+
+    problems = [
+        (instance is not None, "--instance does not apply to --execute (its instance comes from measured times)"),
+        (model not in PRESETS, f"--model={model!r} is unknown; choose one of {sorted(PRESETS)}"),
+        (micro_batches < 1, f"--micro-batches={micro_batches} is invalid: it must be >= 1"),
+        (repeats < 1, f"--repeats={repeats} is invalid: it must be >= 1"),
+        (not seconds > 0, f"--seconds={seconds} is invalid: it must be > 0"),
+        (memory_cap is not None and memory_cap < 1, f"--memory-cap={memory_cap} is infeasible here: one "
+         "micro-batch holds 1 unit in the executed instance; use --memory-cap >= 1"),
+    ]
+    for bad, msg in problems:
+        if bad:
+            console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+    with console.status("") as status:
+        rec = execbench.run(model=model, micro_batches=micro_batches, repeats=repeats, solver_seconds=seconds,
+                            memory_cap=memory_cap, progress=status.update)
+    med, pred = rec["median_makespan_s"], rec["predicted_makespan_s"]
+    print(f"serial-1F1B {med['serial']:.3f} s (predicted {pred['serial']:.3f}), fused {med['fused']:.3f} s "
+          f"(predicted {pred['fused']:.3f}): fused speedup {rec['fused_speedup_vs_serial']:.3f}x, "
+          f"prediction error {100 * rec['prediction_error']:+.1f}%")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rec, indent=1))
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:

@@ -1,0 +1,122 @@
+"""`fuseflow bench pipeline --execute`: run serial-1F1B and the solver's fused schedule on
+real stage processes and compare the measured makespans with each other and with the
+solver's prediction.
+
+One run: 2 stage processes (one intra-op thread each), actor and critic PPO steps with
+pp=2. A warm-up serial step is followed by a measured one; its per-(model, stage,
+phase) action times become the solver's input (fA, fB in integer units of `unit`
+seconds, backward = 2 forward, as the solver models it). The solver's makespan times
+`unit` is the prediction for the fused schedule; `simulate` with the measured per-stage
+times gives a second, finer prediction. Then serial and fused steps alternate, so load
+drifts on a shared machine hit both alike; the medians are compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from fuseflow.data.batch import Batch
+from fuseflow.models.config import ModelConfig
+from fuseflow.schedule.pipeline.actions import Plan, one_f_one_b_plan, plan_from_schedule, simulate
+from fuseflow.schedule.pipeline.problem import PipelineInstance
+from fuseflow.schedule.pipeline.train import ModelSpec, PipelineTrainer, makespan, split_micro_batches
+
+UNIT_STEPS = 20  # the faster model's forward is about this many solver time units
+
+
+def ppo_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> Batch:
+    """A PPO batch of random tokens (all real: the benchmark times full-width micro-batches)
+    with the fields both losses read."""
+    g = torch.Generator().manual_seed(seed)
+    t = prompt + response
+    return Batch({
+        "input_ids": torch.randint(0, vocab, (rows, t), generator=g),
+        "attention_mask": torch.ones(rows, t, dtype=torch.long),
+        "response_mask": torch.ones(rows, response),
+        "old_logprobs": -torch.rand(rows, response, generator=g) * 4 - 4,
+        "advantages": torch.randn(rows, generator=g),
+        "values": torch.randn(rows, response, generator=g) * 0.1,
+        "returns": torch.randn(rows, response, generator=g),
+    }, {})
+
+
+def stage_times(results: list[dict[str, Any]]) -> dict[tuple[str, int, bool], float]:
+    """Median time of each (model, stage, backward) action kind in one step's logs."""
+    per: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
+    for r in results:
+        for label, a, b in r["times"].actions:
+            model, phase, stage = label.split()
+            per[(model[0], int(stage[1:]), phase[0] == "B")].append(b - a)
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def solver_instance(times: dict[tuple[str, int, bool], float], m_a: int, m_b: int) -> tuple[PipelineInstance, float]:
+    """The solver's 2-device instance for measured action times, and its time unit (s).
+
+    The solver has one forward time per model (the same on every stage) and backward =
+    2 forward; each model's forward time is the mean over its stages of (forward +
+    backward) / 3, which keeps each device's measured busy time."""
+    f = {m: sum(times[(m, s, False)] + times[(m, s, True)] for s in (0, 1)) / 6 for m in ("A", "B")}
+    unit = min(f.values()) / UNIT_STEPS
+    return PipelineInstance(2, 2, m_a, m_b, max(1, round(f["A"] / unit)), max(1, round(f["B"] / unit)),
+                            1.0, 1.0), unit
+
+
+def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: int = 2, prompt: int = 32,
+        response: int = 64, repeats: int = 3, solver_seconds: float = 20.0, memory_cap: float | None = None,
+        threads: int = 1, progress=None) -> dict[str, Any]:
+    """The whole measurement (module docstring); returns the JSON record."""
+    from fuseflow.schedule.pipeline.solver import solve
+
+    say = progress or (lambda text: None)
+    cfg = ModelConfig.preset(model, vocab_size=vocab)
+    specs = {"A": ModelSpec("actor", cfg, seed=1, lr=1e-5), "B": ModelSpec("critic", cfg, seed=2, lr=1e-5)}
+    batch = ppo_batch(rows * micro_batches, prompt, response, vocab)
+    mbs = {m: split_micro_batches(batch, rows) for m in ("A", "B")}
+    serial = one_f_one_b_plan(2, {"A": micro_batches, "B": micro_batches})
+    say("starting 2 stage processes")
+    with PipelineTrainer(specs, 2, threads=threads, timeout=600) as pt:
+        say("warm-up step")
+        pt.step(serial, mbs)
+        say("measuring stage times")
+        calib = pt.step(serial, mbs)
+        times = stage_times(calib)
+        inst, unit = solver_instance(times, micro_batches, micro_batches)
+        say(f"solving {inst.spec()}")
+        res = solve(inst, seconds=solver_seconds, memory_cap=memory_cap)
+        fused = plan_from_schedule(inst, res.start)
+        measured: dict[str, list[float]] = {"serial": [], "fused": []}
+        step_end: dict[str, list[float]] = {"serial": [], "fused": []}
+        plans: dict[str, Plan] = {"serial": serial, "fused": fused}
+        for i in range(repeats):
+            for name in ("serial", "fused"):
+                say(f"step {i + 1}/{repeats}: {name}")
+                out = pt.step(plans[name], mbs)
+                measured[name].append(makespan(out))
+                step_end[name].append(max(r["times"].end for r in out))
+    med = {k: statistics.median(v) for k, v in measured.items()}
+    serial_inst = (micro_batches + 1) * 3 * (inst.f_a + inst.f_b)  # serial 1F1B closed form, p = 2
+    predicted = {"fused": res.makespan * unit, "serial": serial_inst * unit}
+    simulated = {k: simulate(p, times)[0] for k, p in plans.items()}
+    return {
+        "model": model, "vocab_size": vocab, "stages": 2, "micro_batches": micro_batches,
+        "rows_per_micro_batch": rows, "tokens_per_row": prompt + response, "threads_per_stage": threads,
+        "fused_speedup_vs_serial": round(med["serial"] / med["fused"], 4),
+        "prediction_error": round(med["fused"] / predicted["fused"] - 1, 4),
+        "serial_prediction_error": round(med["serial"] / predicted["serial"] - 1, 4),
+        "predicted_speedup": round(predicted["serial"] / predicted["fused"], 4),
+        "simulated_prediction_error": round(med["fused"] / simulated["fused"] - 1, 4),
+        "pipelined_generation_speedup": None,  # not measured by this command (see docs)
+        "measured_makespan_s": measured, "median_makespan_s": med, "step_with_optimizer_s": step_end,
+        "predicted_makespan_s": predicted, "simulated_makespan_s": simulated,
+        "solver": {"instance": inst.spec(), "unit_s": unit, "makespan": res.makespan, "lower_bound": res.lower_bound,
+                   "peak_memory": res.peak_memory, "memory_cap": memory_cap, "seconds": res.seconds},
+        "stage_times_s": {f"{m} {'B' if bw else 'F'} s{s}": round(v, 5) for (m, s, bw), v in sorted(times.items())},
+        "fused_plan": fused.labels(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
