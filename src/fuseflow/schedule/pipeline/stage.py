@@ -112,6 +112,31 @@ class StageModule(nn.Module):
         return self.lm_head(h)  # (B, T, V)
 
 
+    def forward_cached(
+        self, x: Tensor, attention_mask: Tensor, position_ids: Tensor, past: list[tuple[Tensor, Tensor]] | None
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """Generation step with this stage's KV cache (one (k, v) per layer; None for a prefill).
+
+        Returns hidden states (B, T, hidden), or on the last stage the logits of the last
+        position only (B, V) in fp32, plus the extended cache. Same steps as
+        DecoderModel.forward with `use_cache=True`, including its unmasked single-token path.
+        """
+        h = self.model.embed_tokens(x) if self.first else x
+        t = h.shape[1]
+        past_len = 0 if past is None else past[0][0].shape[2]
+        cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config, h.device), h.dtype)
+        mask = build_attention_mask(attention_mask, t, past_len)
+        if mask is not None and t == 1 and bool(attention_mask.all()):
+            mask = None
+        cache = []
+        for j, i in enumerate(self.layer_ids):
+            h, kv = self.model.layers[str(i)](h, cos, sin, mask, None if past is None else past[j])
+            cache.append(kv)
+        if not self.last:
+            return h, cache
+        return self.lm_head(self.model.norm(h)[:, -1:]).squeeze(1).float(), cache
+
+
 def build_stage(full: CausalLM | ValueModel, stage: int, n_stages: int, split: list[int] | None = None) -> StageModule:
     """Stage `stage` of `n_stages` of `full`, split by `split` (layers per stage) or balanced
     by parameter count. The rest of `full` is left to the garbage collector by the caller."""
