@@ -29,8 +29,8 @@ def test_pipelined_generation_is_token_identical_to_the_engine():
     ref = {s.uid: s for s in Engine(SPEC.build()).generate(reqs)}
     assert {s.finish_reason for s in ref.values()} == {"stop", "length"}  # both ways of finishing are exercised
     with PipelineTrainer({"A": SPEC}, 2, timeout=30) as pt:
-        for groups in (1, 2, 3):
-            first, last = pt.procs.call(generate_command, (reqs, 0, groups, 30))
+        for groups, overlap in ((1, True), (2, True), (3, True), (2, False)):
+            first, last = pt.procs.call(generate_command, (reqs, 0, groups, 30, overlap))
             assert first[0] == []
             assert [s.uid for s in last[0]] == [r.uid for r in reqs]
             for s in last[0]:

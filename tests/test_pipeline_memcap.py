@@ -84,4 +84,5 @@ def test_execute_record_is_consistent():
     assert rec["fused_speedup_vs_serial"] == round(med["serial"] / med["fused"], 4)
     assert rec["prediction_error"] == round(med["fused"] / pred["fused"] - 1, 4)
     assert len(rec["measured_makespan_s"]["fused"]) == 1 and len(rec["fused_plan"]) == 2
+    assert len(rec["parallel_capacity"]) == 2 and all(c > 0 for c in rec["parallel_capacity"])
     assert rec["solver"]["makespan"] >= rec["solver"]["lower_bound"]

@@ -220,6 +220,10 @@ def _execute(console, model: str, micro_batches: int, repeats: int, seconds: flo
         rec = execbench.run(model=model, micro_batches=micro_batches, repeats=repeats, solver_seconds=seconds,
                             memory_cap=memory_cap, progress=status.update)
     med, pred = rec["median_makespan_s"], rec["predicted_makespan_s"]
+    with console.status("") as status:
+        rec.update(execbench.run_generation(model=model, repeats=repeats, progress=status.update))
+    print(f"pipelined generation {rec['pipelined_generation_speedup']:.3f}x the tok/s of unpipelined on 2 stages, "
+          f"{rec['pipelined_vs_replicas']:.3f}x that of 2 data-parallel replicas")
     print(f"serial-1F1B {med['serial']:.3f} s (predicted {pred['serial']:.3f}), fused {med['fused']:.3f} s "
           f"(predicted {pred['fused']:.3f}): fused speedup {rec['fused_speedup_vs_serial']:.3f}x, "
           f"prediction error {100 * rec['prediction_error']:+.1f}%")

@@ -26,7 +26,29 @@ from fuseflow.schedule.pipeline.actions import Plan, one_f_one_b_plan, plan_from
 from fuseflow.schedule.pipeline.problem import PipelineInstance
 from fuseflow.schedule.pipeline.train import ModelSpec, PipelineTrainer, makespan, split_micro_batches
 
+GEN_GROUPS = 2  # batches in flight in pipelined generation (one per stage keeps both busy)
+
 UNIT_STEPS = 20  # the faster model's forward is about this many solver time units
+
+
+def _spin(state, rank: int, ctx, active: tuple[int, ...], reps: int) -> float:
+    """A fixed matmul workload on the `active` ranks; its seconds (0 elsewhere)."""
+    if rank not in active:
+        return 0.0
+    a = torch.randn(384, 384, generator=torch.Generator().manual_seed(rank))
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    return time.perf_counter() - t
+
+
+def parallel_capacity(pt: PipelineTrainer, reps: int = 300) -> float:
+    """How many cores' worth of compute the 2 stage processes get at once, now: the time of
+    a workload on one rank alone, times 2, over the time of both ranks running it together
+    (2.0 = two free cores; 1.0 = they share one). Pipeline overlap can only pay up to this."""
+    alone = pt.procs.call(_spin, ((0,), reps))[0]
+    both = max(pt.procs.call(_spin, ((0, 1), reps)))
+    return round(2 * alone / both, 3)
 
 
 def ppo_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> Batch:
@@ -83,6 +105,7 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
     with PipelineTrainer(specs, 2, threads=threads, timeout=600) as pt:
         say("warm-up step")
         pt.step(serial, mbs)
+        capacity = [parallel_capacity(pt)]
         say("measuring stage times")
         calib = pt.step(serial, mbs)
         times = stage_times(calib)
@@ -99,6 +122,7 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
                 out = pt.step(plans[name], mbs)
                 measured[name].append(makespan(out))
                 step_end[name].append(max(r["times"].end for r in out))
+        capacity.append(parallel_capacity(pt))
     med = {k: statistics.median(v) for k, v in measured.items()}
     serial_inst = (micro_batches + 1) * 3 * (inst.f_a + inst.f_b)  # serial 1F1B closed form, p = 2
     predicted = {"fused": res.makespan * unit, "serial": serial_inst * unit}
@@ -111,7 +135,7 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
         "serial_prediction_error": round(med["serial"] / predicted["serial"] - 1, 4),
         "predicted_speedup": round(predicted["serial"] / predicted["fused"], 4),
         "simulated_prediction_error": round(med["fused"] / simulated["fused"] - 1, 4),
-        "pipelined_generation_speedup": None,  # not measured by this command (see docs)
+        "parallel_capacity": capacity,  # before and after the measured steps (see parallel_capacity)
         "measured_makespan_s": measured, "median_makespan_s": med, "step_with_optimizer_s": step_end,
         "predicted_makespan_s": predicted, "simulated_makespan_s": simulated,
         "solver": {"instance": inst.spec(), "unit_s": unit, "makespan": res.makespan, "lower_bound": res.lower_bound,
@@ -119,4 +143,52 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
         "stage_times_s": {f"{m} {'B' if bw else 'F'} s{s}": round(v, 5) for (m, s, bw), v in sorted(times.items())},
         "fused_plan": fused.labels(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def run_generation(model: str = "small", vocab: int = 4096, prompts: int = 32, prompt_len: int = 32,
+                   max_new: int = 16, repeats: int = 3, threads: int = 1, progress=None) -> dict[str, Any]:
+    """Tokens per second of generation on 2 stages and on 2 data-parallel replicas.
+
+    `pipelined`: GEN_GROUPS batches in flight, round-robin over the stages. `unpipelined`:
+    the same batches one after another (one stage idles while the other decodes): the
+    speedup target. `one_batch`: all prompts in a single batch on the 2 stages (the same
+    KV memory as pipelined, fewer, larger forwards). `replicas`: each process samples half
+    the prompts on a whole model with the foundation sampler. Alternated, medians compared.
+    """
+    from fuseflow.rollout.base import SamplingParams
+    from fuseflow.rollout.sampler import make_requests
+    from fuseflow.schedule.pipeline.generate import generate_command, replica_command
+
+    say = progress or (lambda text: None)
+    spec = ModelSpec("actor", ModelConfig.preset(model, vocab_size=vocab), seed=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (prompts, prompt_len), generator=g).tolist()
+    # No stop token: every sample runs to max_new, so all layouts do the same work.
+    reqs = make_requests(ids, SamplingParams(temperature=1.0, max_new_tokens=max_new), 1, seed=0)
+    layouts = {"pipelined": (GEN_GROUPS, True), "unpipelined": (GEN_GROUPS, False), "one_batch": (1, True)}
+    rates: dict[str, list[float]] = {k: [] for k in [*layouts, "replicas"]}
+    with PipelineTrainer({"A": spec}, 2, threads=threads, timeout=600) as pt:
+        say("generation warm-up")
+        pt.procs.call(generate_command, (reqs[:2], 0, 1, 600))
+        capacity = [parallel_capacity(pt)]
+        for i in range(repeats):
+            for name in rates:
+                say(f"generation {i + 1}/{repeats}: {name}")
+                if name == "replicas":
+                    out = pt.procs.call(replica_command, (reqs, 0))
+                else:
+                    out = pt.procs.call(generate_command, (reqs, 0, *layouts[name][:1], 600, layouts[name][1]))
+                tokens = sum(len(s.response_ids) for samples, _ in out for s in samples)
+                rates[name].append(tokens / max(sec for _, sec in out))
+        capacity.append(parallel_capacity(pt))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "pipelined_generation_speedup": round(med["pipelined"] / med["unpipelined"], 4),
+        "pipelined_vs_one_batch": round(med["pipelined"] / med["one_batch"], 4),
+        "pipelined_vs_replicas": round(med["pipelined"] / med["replicas"], 4),
+        "generation_parallel_capacity": capacity,
+        "generation_tok_per_s": rates, "generation_median_tok_per_s": med,
+        "generation": {"model": model, "prompts": prompts, "prompt_len": prompt_len, "max_new_tokens": max_new,
+                       "batches_in_flight": GEN_GROUPS},
     }

@@ -16,6 +16,7 @@ and the KV cache, as in the foundation sampler.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -86,20 +87,28 @@ def _finish(seq: Sequence, tok: int) -> str | None:
 
 @torch.no_grad()
 def run_pipelined(stage: StageModule, rank: int, reqs: list[RolloutRequest], pad_id: int, groups: int,
-                  timeout: float = 60.0) -> tuple[list[Sample], float]:
+                  timeout: float = 60.0, overlap: bool = True) -> tuple[list[Sample], float]:
     """This rank's part of pipelined generation on 2 ranks; (samples, seconds).
 
     Rank 0 holds the first stage, rank 1 the last; samples come back on rank 1 in request
-    order (rank 0 returns none). `groups` = 1 is unpipelined generation on the same split.
+    order (rank 0 returns none). With `overlap=False` the same `groups` batches run one
+    after another (no inter-batch pipelining: one stage idles while the other computes).
     """
-    wait = {"timeout": __import__("datetime").timedelta(seconds=timeout)}
-    hidden = stage.config.hidden_size
     batches = [_Batch([reqs[i] for i in idx], pad_id) for idx in split_groups(len(reqs), groups)]
     done: dict[int, Sample] = {}
-    sends: list[tuple[torch.Tensor, Any]] = []
     stage.eval()
     dist.barrier()
     t0 = time.perf_counter()
+    for part in [batches] if overlap else [[b] for b in batches]:
+        _decode(stage, rank, part, done, timedelta(seconds=timeout))
+    seconds = time.perf_counter() - t0
+    return [done[r.uid] for r in reqs] if rank == 1 else [], seconds
+
+
+def _decode(stage: StageModule, rank: int, batches: list[_Batch], done: dict[int, Sample], wait: timedelta) -> None:
+    """Decode `batches` to the end, round-robin (module docstring); finished samples go to `done`."""
+    hidden = stage.config.hidden_size
+    sends: list[tuple[torch.Tensor, Any]] = []
     active = list(range(len(batches)))
     first_round = True
     while active:
@@ -108,7 +117,7 @@ def run_pipelined(stage: StageModule, rank: int, reqs: list[RolloutRequest], pad
             if rank == 0:
                 if not first_round:
                     msg = torch.empty((2, b.live), dtype=torch.long)
-                    dist.irecv(msg, 1).wait(**wait)
+                    dist.irecv(msg, 1).wait(timeout=wait)
                     tok, keep = msg[0], msg[1].bool()
                     if not bool(keep.any()):
                         active.remove(g)
@@ -123,7 +132,7 @@ def run_pipelined(stage: StageModule, rank: int, reqs: list[RolloutRequest], pad
             else:
                 width = b.ids.shape[1] if first_round else 1
                 h = torch.empty((b.live, width, hidden), dtype=next(stage.parameters()).dtype)
-                dist.irecv(h, 0).wait(**wait)
+                dist.irecv(h, 0).wait(timeout=wait)
                 logits, b.cache = stage.forward_cached(h, b.mask, b.pos, b.cache)
                 toks, lps = sample_tokens(logits, b.seqs)
                 keep = []
@@ -146,19 +155,17 @@ def run_pipelined(stage: StageModule, rank: int, reqs: list[RolloutRequest], pad
         first_round = False
         if len(sends) > 64:  # bound the buffers held by completed sends
             for _, work in sends:
-                work.wait(**wait)
+                work.wait(timeout=wait)
             sends.clear()
     for _, work in sends:
-        work.wait(**wait)
-    seconds = time.perf_counter() - t0
-    return [done[r.uid] for r in reqs] if rank == 1 else [], seconds
+        work.wait(timeout=wait)
 
 
 def generate_command(state, rank: int, ctx: Context, reqs: list[RolloutRequest], pad_id: int, groups: int,
-                     timeout: float) -> tuple[list[Sample], float]:
+                     timeout: float, overlap: bool = True) -> tuple[list[Sample], float]:
     """Stage-process command (see procs.py): pipelined generation with the actor's stage."""
     _, module, _ = state["stages"]["A"]
-    return run_pipelined(module, rank, reqs, pad_id, groups, timeout)
+    return run_pipelined(module, rank, reqs, pad_id, groups, timeout, overlap)
 
 
 def replica_command(state, rank: int, ctx: Context, reqs: list[RolloutRequest], pad_id: int
