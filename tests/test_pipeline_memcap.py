@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fuseflow.schedule.pipeline.memcap import InfeasibleCap, least_peak, one_at_a_time
+from fuseflow.schedule.pipeline.memcap import InfeasibleCap, capped_serial, least_peak, one_at_a_time
 from fuseflow.schedule.pipeline.problem import PipelineInstance, check_timed, device_peaks, order_from_times
 from fuseflow.schedule.pipeline.solver import solve
 
@@ -24,6 +24,15 @@ def test_one_at_a_time_holds_one_micro_batch():
     assert check_timed(INST, start) == []
     # Hand-computed: never more than one micro-batch held, so the peak is the heavier model's 1.5.
     assert max(device_peaks(INST, order_from_times(INST, start))) == least_peak(INST) == 1.5
+
+
+def test_capped_serial_limits_in_flight():
+    # cap 3 lets A (1.5 each) hold 2 and B (1 each) hold 3 micro-batches on a stage.
+    start = capped_serial(INST, 3.0)
+    assert check_timed(INST, start) == []
+    peaks = device_peaks(INST, order_from_times(INST, start))
+    assert max(peaks) == 3.0
+    assert capped_serial(INST, 1.0) is None  # one A micro-batch (1.5) does not fit
 
 
 @pytest.mark.parametrize("cap", [1.5, 2.5, 4.0])

@@ -58,6 +58,29 @@ def one_at_a_time(inst: PipelineInstance) -> dict[Task, int]:
     return evaluate(inst, order).start
 
 
+def capped_serial(inst: PipelineInstance, cap: float) -> dict[Task, int] | None:
+    """Start times of serial 1F1B with each model's in-flight micro-batches limited so that
+    one model's activations fit in `cap` (A, then B; a stage never holds both at once):
+    stage s warms up with min(p - s, k) - 1 forwards, k = floor(cap / mem). None if k < 1.
+    Under tight caps it is far shorter than one micro-batch at a time."""
+    from fuseflow.schedule.pipeline.baselines import one_f_one_b
+    from fuseflow.schedule.pipeline.structure import stage_on
+
+    order = [[] for _ in range(inst.n_devices)]
+    for model in ("A", "B"):
+        mem = inst.mem(model)
+        k = inst.micro_batches(model) if mem == 0 else math.floor(cap / mem + 1e-9)
+        if k < 1:
+            return None
+        p = inst.stages(model)
+        for d in range(inst.n_devices):
+            r, st = stage_on(inst, model, d)
+            # one_f_one_b(p', ...) at stage p' - w - 1 warms up with w forwards.
+            w = min(p - st, k) - 1
+            order[d] += [Task(model, r, j, st, bw) for bw, j in one_f_one_b(w + 1, inst.micro_batches(model), 0)]
+    return evaluate(inst, order).start
+
+
 def min_makespan(
     g: TaskGraph, horizon: int, cap: float, effort: cpsat.Effort, hint: list[int] | None, seed: int = 0
 ) -> cpsat.CpOutcome:

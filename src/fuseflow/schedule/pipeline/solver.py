@@ -87,9 +87,9 @@ def _stage_capped(sr: Search, cap: float) -> None:
     fit in `cap` and run the memory stages again, every offer now held to the cap."""
     inst, g0 = sr.inst, sr.g0
     uncapped = sr.best_start
-    if sr.feasible is None:
-        start = memcap.one_at_a_time(inst)
-        sr.offer("memory-cap", [start[t] for t in g0.tasks], [])
+    for start in (memcap.capped_serial(inst, cap), memcap.one_at_a_time(inst)):
+        if start is not None:
+            sr.offer("memory-cap", [start[t] for t in g0.tasks], [])
     sr.restart_from_feasible()
     caps = caps_for_target(inst, sr.roles, cap)
     if caps is not None and sr.best_score[0] > sr.lb:
