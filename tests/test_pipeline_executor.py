@@ -18,7 +18,7 @@ from fuseflow.schedule.pipeline.actions import (
     InvalidPlan,
     Plan,
     one_f_one_b_plan,
-    plan_from_schedule,
+    solved_plan,
     validate,
 )
 from fuseflow.schedule.pipeline.problem import PipelineInstance, Task
@@ -55,10 +55,9 @@ def trainer():
 
 
 def fused_plan(m_a: int, m_b: int) -> Plan:
-    from fuseflow.schedule.pipeline.solver import solve
-
-    inst = PipelineInstance(2, 2, m_a, m_b, 3, 2, 1.0, 1.0)
-    return plan_from_schedule(inst, solve(inst, seconds=5).start)
+    plan = solved_plan(PipelineInstance(2, 2, m_a, m_b, 3, 2, 1.0, 1.0), seconds=5)
+    assert solved_plan(PipelineInstance(2, 2, m_a, m_b, 3, 2, 1.0, 1.0), seconds=5) is plan  # cached per shape
+    return plan
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], start: dict[str, torch.Tensor]):
@@ -70,13 +69,16 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], sta
     assert moved > 1e-3  # the step changed the weights, so equality is not trivial
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "fused", "serial"])
+@pytest.mark.parametrize("kind", ["1f1b", "fused", "serial", "fused-capped"])
 def test_one_step_matches_single_process(trainer, kind):
-    batch = make_batch(8, seed={"1f1b": 0, "fused": 1, "serial": 2}[kind])
+    batch = make_batch(8, seed={"1f1b": 0, "fused": 1, "serial": 2, "fused-capped": 3}[kind])
     mbs = {"A": split_micro_batches(batch, 2), "B": split_micro_batches(batch, 2)}  # 4 micro-batches each
     if kind == "1f1b":
         # Actor alone in 1F1B, then the critic alone: each model's own pipeline.
         plans = [one_f_one_b_plan(2, {"A": 4}), one_f_one_b_plan(2, {"B": 4})]
+    elif kind == "fused-capped":  # at most 2 micro-batches held per device (uncapped: 3)
+        plans = [solved_plan(PipelineInstance(2, 2, 4, 4, 3, 2, 1.0, 1.0), seconds=5, memory_cap=2.0)]
+        assert max(_held(seq) for seq in plans[0].order) == 2
     else:
         plans = [fused_plan(4, 4) if kind == "fused" else one_f_one_b_plan(2, {"A": 4, "B": 4})]
     trainer.reset()
@@ -89,6 +91,14 @@ def test_one_step_matches_single_process(trainer, kind):
         assert_same(after[model], reference_step(SPECS[model], mbs[model]), before[model])
     # Tied copies stayed equal on the two stages.
     assert torch.equal(after["A"]["model.embed_tokens.weight"], after["A"]["lm_head.weight"])
+
+
+def _held(seq) -> int:
+    held = most = 0
+    for t in seq:
+        held += -1 if t.backward else 1
+        most = max(most, held)
+    return most
 
 
 def test_split_layers_balances_parameters():

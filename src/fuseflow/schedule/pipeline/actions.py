@@ -14,6 +14,7 @@ executor's makespan prediction.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -96,6 +97,16 @@ def plan_from_schedule(inst: PipelineInstance, start: Mapping[Task, int]) -> Pla
         raise ValueError(f"instance {inst.spec()}: the executor runs p_a == p_b only (one critic replica)")
     order = order_from_times(inst, dict(start))
     return Plan(tuple(tuple(seq) for seq in order), {"A": inst.m_a, "B": inst.m_b})
+
+
+@functools.lru_cache(maxsize=64)
+def solved_plan(inst: PipelineInstance, seconds: float = 10.0, memory_cap: float | None = None, seed: int = 0) -> Plan:
+    """The solver's fused schedule for `inst` as a Plan, cached per instance (a training
+    run meets the same micro-batch counts and stage times step after step). `seconds` is
+    the solver's time limit; `memory_cap` its hard cap on peak memory (memcap.py)."""
+    from fuseflow.schedule.pipeline.solver import solve  # OR-Tools: imported only when solving
+
+    return plan_from_schedule(inst, solve(inst, seconds=seconds, memory_cap=memory_cap, seed=seed).start)
 
 
 def validate(plan: Plan) -> None:
