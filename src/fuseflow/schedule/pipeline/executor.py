@@ -68,6 +68,10 @@ class ModelStage:
     def dtype(self) -> torch.dtype:
         return next(self.module.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
 
 @dataclass
 class StepTimes:
@@ -112,7 +116,7 @@ class _Channels:
         while t not in self.posted:
             m = queue[self.next_post[src]]
             st = self.stages[m.model]
-            buf = torch.empty(st.hidden_shape(m.micro_batch), dtype=st.dtype)
+            buf = torch.empty(st.hidden_shape(m.micro_batch), dtype=st.dtype, device=st.device)
             self.posted[m] = (buf, dist.irecv(buf, src))
             self.next_post[src] += 1
         buf, work = self.posted.pop(t)
@@ -211,7 +215,7 @@ def optimizer_step(st: ModelStage) -> float:
     if st.module.config.tie_word_embeddings and not st.module.is_value:
         shape = (st.module.config.vocab_size, st.module.config.hidden_size)
         g = tied_param.grad if tied_param is not None and tied_param.grad is not None else None
-        buf = g if g is not None else torch.zeros(shape, dtype=st.dtype)
+        buf = g if g is not None else torch.zeros(shape, dtype=st.dtype, device=st.device)
         dist.all_reduce(buf)
         if tied_param is not None and g is None:
             tied_param.grad = buf
@@ -219,7 +223,7 @@ def optimizer_step(st: ModelStage) -> float:
     # Count the tied matrix once (on the first stage) in the global norm.
     counted = [p for p in params if not (tied_param is not None and p is tied_param and st.module.last
                                          and not st.module.first)]
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=st.device)
     for p in counted:
         sq += p.grad.detach().double().pow(2).sum()
     dist.all_reduce(sq)

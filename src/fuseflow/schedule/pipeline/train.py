@@ -113,11 +113,21 @@ def reference_step(spec: ModelSpec, micro_batches: Sequence[MicroBatch]) -> dict
 
 
 # ------------------------------------------------------------------------------------ in the stage processes
+def _device() -> torch.device:
+    # NCCL ranks each take one GPU (written for NCCL, run here only on CPU with gloo).
+    if torch.distributed.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.distributed.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
 def _setup(rank: int, world: int, specs: Mapping[str, ModelSpec]) -> dict[str, Any]:
     stages = {}
+    device = _device()
     for model, spec in specs.items():
         stage = rank if model == "A" else world - 1 - rank
-        module = build_stage(spec.build(), stage, world, list(spec.split) if spec.split else None)
+        module = build_stage(spec.build(), stage, world, list(spec.split) if spec.split else None).to(device)
         stages[model] = (stage, module, spec.optimizer(module.parameters()))
     return {"specs": dict(specs), "stages": stages, "world": world}
 
@@ -129,6 +139,8 @@ def _step(state, rank: int, ctx: Context, plan: Plan, mbs: Mapping[str, list[Mic
     for model in plan.micro_batches:
         stage, module, opt = state["stages"][model]
         spec = state["specs"][model]
+        device = next(module.parameters()).device
+        mbs = {**mbs, model: [{k: v.to(device) for k, v in mb.items()} for mb in mbs[model]]}
         stages[model] = ModelStage(module, stage, world, mbs[model], loss_fn(spec, mbs[model]), opt,
                                    spec.grad_clip, ROLES[model])
 
@@ -146,7 +158,7 @@ def _reset(state, rank: int, ctx: Context) -> None:
 
 
 def _state(state, rank: int, ctx: Context) -> dict[str, dict[str, Tensor]]:
-    return {m: {k: v.detach().clone() for k, v in mod.state_dict().items()}
+    return {m: {k: v.detach().cpu().clone() for k, v in mod.state_dict().items()}
             for m, (_, mod, _) in state["stages"].items()}
 
 
