@@ -24,6 +24,7 @@ import torch
 
 from fuseflow.data.batch import Batch
 from fuseflow.models.config import ModelConfig
+from fuseflow.schedule.pipeline import sleepbench
 from fuseflow.schedule.pipeline.actions import Plan, one_f_one_b_plan, plan_from_schedule, simulate
 from fuseflow.schedule.pipeline.problem import PipelineInstance
 from fuseflow.schedule.pipeline.train import ModelSpec, PipelineTrainer, makespan, split_micro_batches
@@ -133,6 +134,8 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
                 if name == "serial":
                     load.append(busy(out) / busy(calib))
         capacity.append(parallel_capacity(pt))
+    say("the same plans with sleeping stages")
+    sleep = sleepbench.run(cfg, times, plans, mbs, repeats)
     med = {k: statistics.median(v) for k, v in measured.items()}
     serial_inst = (micro_batches + 1) * 3 * (inst.f_a + inst.f_b)  # serial 1F1B closed form, p = 2
     predicted = {"fused": res.makespan * unit, "serial": serial_inst * unit}
@@ -156,6 +159,12 @@ def run(model: str = "small", vocab: int = 4096, micro_batches: int = 4, rows: i
         "prediction_error_unscaled": round(med["fused"] / predicted["fused"] - 1, 4),
         "simulated_prediction_error_unscaled": round(med["fused"] / simulated["fused"] - 1, 4),
         "parallel_capacity": capacity,  # before and after the measured steps (see parallel_capacity)
+        # Stages that sleep for the calibrated times (sleepbench.py): no CPU contention.
+        "sleep_fused_speedup_vs_serial": round(sleep["sleep_median_makespan_s"]["serial"]
+                                               / sleep["sleep_median_makespan_s"]["fused"], 4),
+        "sleep_prediction_error": round(sleep["sleep_median_makespan_s"]["fused"] / predicted["fused"] - 1, 4),
+        "sleep_simulated_error": round(sleep["sleep_median_makespan_s"]["fused"] / simulated["fused"] - 1, 4),
+        **sleep,
         "load_scale": [round(f, 4) for f in load],
         "measured_makespan_s": measured, "median_makespan_s": med, "step_with_optimizer_s": step_end,
         "predicted_makespan_s": predicted, "simulated_makespan_s": simulated,
