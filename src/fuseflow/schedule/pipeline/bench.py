@@ -66,8 +66,10 @@ def run_instance(
     seed: int = 0,
     plot_dir: Path | None = None,
     progress=None,
+    memory_cap: float | None = None,
 ) -> dict[str, Any]:
-    """Solve one instance and gather everything the report needs (see the CLI help)."""
+    """Solve one instance (peak memory capped at `memory_cap` if given) and gather
+    everything the report needs (see the CLI help)."""
     from fuseflow.schedule.pipeline.baselines import greedy_fused, serial_1f1b
     from fuseflow.schedule.pipeline.bounds import lower_bound
     from fuseflow.schedule.pipeline.problem import check_timed
@@ -76,7 +78,7 @@ def run_instance(
     lb = lower_bound(inst)
     serial = serial_1f1b(inst)
     greedy = greedy_fused(inst)
-    res = solve(inst, seconds=seconds, seed=seed, progress=progress)
+    res = solve(inst, seconds=seconds, seed=seed, progress=progress, memory_cap=memory_cap)
     problems = check_timed(inst, res.start)
     spec = inst.spec()
     out: dict[str, Any] = {
@@ -90,6 +92,7 @@ def run_instance(
         },
         "makespan": res.makespan,
         "gap_to_lower_bound_pct": round(100 * (res.makespan / lb.value - 1), 3),
+        "memory_cap": memory_cap,
         "peak_memory": round(res.peak_memory, 4),
         "sum_of_peaks": round(sum(res.device_peaks), 4),
         "device_peaks": [round(p, 4) for p in res.device_peaks],
@@ -100,7 +103,7 @@ def run_instance(
         "speedup_vs_serial_1f1b": round(serial.makespan / res.makespan, 4),
         "solve_seconds": res.seconds,
         "deterministic": res.deterministic,
-        "valid": not problems,
+        "valid": not problems and (memory_cap is None or res.peak_memory <= memory_cap + 1e-9),
         "problems": problems[:5],
         "history": [list(h) for h in res.history],
         "flexfusion": None,
@@ -136,12 +139,25 @@ def register(bench_app: typer.Typer) -> None:
         out: Path = typer.Option(None, "--out", help="Write the results as JSON here."),
         plot_dir: Path = typer.Option(None, "--plot-dir", help="Write a Gantt PNG per instance here."),
         seed: int = typer.Option(0, "--seed", help="Random seed of the solver."),
+        memory_cap: float = typer.Option(
+            None, "--memory-cap", help="Hard cap on every device's peak activation memory (makespan is traded for it)."
+        ),
+        execute: bool = typer.Option(
+            False, "--execute", help="Run serial-1F1B and the solved fused schedule on 2 stage processes "
+            "(actor + critic PPO steps) and compare measured makespans with each other and the prediction."
+        ),
+        model: str = typer.Option("small", "--model", help="With --execute: model preset of actor and critic."),
+        micro_batches: int = typer.Option(4, "--micro-batches", help="With --execute: micro-batches per model."),
+        repeats: int = typer.Option(3, "--repeats", help="With --execute: measured steps per schedule."),
     ) -> None:
         """Fused actor/critic pipeline schedules vs serial 1F1B, greedy and FlexFusion."""
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=True)
+        if execute:
+            _execute(console, model, micro_batches, repeats, seconds, memory_cap, instance, out)
+            return
         try:
             instances = _parse_instances(instance)
         except ValueError as err:
@@ -150,6 +166,15 @@ def register(bench_app: typer.Typer) -> None:
         if not seconds > 0:
             console.print(f"[bold red]error:[/] --seconds={seconds} is invalid: it must be > 0", highlight=False)
             raise typer.Exit(2)
+        if memory_cap is not None:
+            from fuseflow.schedule.pipeline.memcap import InfeasibleCap, check_cap
+
+            try:
+                for inst in instances:
+                    check_cap(inst, memory_cap)
+            except InfeasibleCap as err:
+                console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+                raise typer.Exit(2) from None
         results = []
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
@@ -161,7 +186,8 @@ def register(bench_app: typer.Typer) -> None:
                 def report(stage: str, makespan: int, peak: float, label: str = label) -> None:
                     bar.update(task, description=f"{label}: {stage} makespan {makespan} peak {peak:g}")
 
-                results.append(run_instance(inst, seconds, seed=seed, plot_dir=plot_dir, progress=report))
+                results.append(run_instance(inst, seconds, seed=seed, plot_dir=plot_dir, progress=report,
+                                            memory_cap=memory_cap))
                 bar.advance(task)
         _print_table(results)
         if out is not None:
@@ -170,6 +196,40 @@ def register(bench_app: typer.Typer) -> None:
             out.write_text(json.dumps(payload, indent=1))
         if not all(r["valid"] for r in results):
             raise typer.Exit(1)
+
+
+def _execute(console, model: str, micro_batches: int, repeats: int, seconds: float, memory_cap: float | None,
+             instance: str | None, out: Path | None) -> None:
+    from fuseflow.models.config import PRESETS
+    from fuseflow.schedule.pipeline import execbench
+
+    problems = [
+        (instance is not None, "--instance does not apply to --execute (its instance comes from measured times)"),
+        (model not in PRESETS, f"--model={model!r} is unknown; choose one of {sorted(PRESETS)}"),
+        (micro_batches < 1, f"--micro-batches={micro_batches} is invalid: it must be >= 1"),
+        (repeats < 1, f"--repeats={repeats} is invalid: it must be >= 1"),
+        (not seconds > 0, f"--seconds={seconds} is invalid: it must be > 0"),
+        (memory_cap is not None and memory_cap < 1, f"--memory-cap={memory_cap} is infeasible here: one "
+         "micro-batch holds 1 unit in the executed instance; use --memory-cap >= 1"),
+    ]
+    for bad, msg in problems:
+        if bad:
+            console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+    with console.status("") as status:
+        rec = execbench.run(model=model, micro_batches=micro_batches, repeats=repeats, solver_seconds=seconds,
+                            memory_cap=memory_cap, progress=status.update)
+    med, pred = rec["median_makespan_s"], rec["predicted_makespan_s"]
+    with console.status("") as status:
+        rec.update(execbench.run_generation(model=model, repeats=repeats, progress=status.update))
+    print(f"pipelined generation {rec['pipelined_generation_speedup']:.3f}x the tok/s of unpipelined on 2 stages, "
+          f"{rec['pipelined_vs_replicas']:.3f}x that of 2 data-parallel replicas")
+    print(f"serial-1F1B {med['serial']:.3f} s (predicted {pred['serial']:.3f}), fused {med['fused']:.3f} s "
+          f"(predicted {pred['fused']:.3f}): fused speedup {rec['fused_speedup_vs_serial']:.3f}x, "
+          f"prediction error {100 * rec['prediction_error']:+.1f}%")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rec, indent=1))
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:

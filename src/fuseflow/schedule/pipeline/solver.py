@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fuseflow.schedule.pipeline import cpsat, memory
+from fuseflow.schedule.pipeline import cpsat, memcap, memory
 from fuseflow.schedule.pipeline.heuristic import latest_finish
 from fuseflow.schedule.pipeline.problem import PipelineInstance, Task, evaluate, order_from_times
 from fuseflow.schedule.pipeline.state import Progress, Search
@@ -32,6 +32,9 @@ CP_FEASIBLE_DET = 5.0  # deterministic seconds for CP-SAT feasibility at the bou
 # Above this many tasks a cold CP-SAT feasibility search at the bound did not finish in
 # 30 CPU seconds ("16,16,64,64,...": 3,072 tasks) and left the memory stages no time.
 CP_FEASIBLE_MAX_TASKS = 1600
+# Under a memory cap the uncapped stages (which often end within the cap: they minimise
+# memory too) get this share of the safety stop; the capped stages get the rest.
+CAP_FIRST_SHARE = 0.6
 
 
 @dataclass
@@ -77,22 +80,59 @@ def _stage_makespan(sr: Search) -> None:
             return
 
 
+def _stage_capped(sr: Search, cap: float) -> None:
+    """Once the uncapped stages ended above the cap: restart from the best schedule within
+    it (the one-at-a-time schedule always fits), let CP-SAT shorten it with the exact peak
+    constrained where the model is small, then search towards the bound under caps that
+    fit in `cap` and run the memory stages again, every offer now held to the cap."""
+    inst, g0 = sr.inst, sr.g0
+    uncapped = sr.best_start
+    for start in (memcap.capped_serial(inst, cap), memcap.one_at_a_time(inst)):
+        if start is not None:
+            sr.offer("memory-cap", [start[t] for t in g0.tasks], [])
+    sr.restart_from_feasible()
+    caps = caps_for_target(inst, sr.roles, cap)
+    if caps is not None and sr.best_score[0] > sr.lb:
+        edges = cap_edges(g0, caps)
+        g = g0.with_edges(edges)
+        lf = latest_finish(g, sr.lb)
+        _, start = sr.heuristic(g, [lf[i] - g.dur[i] for i in range(g.n)], sr.lb, sr.rounds_for(MAKESPAN_WORK))
+        sr.offer("makespan-capped", start, edges)
+    if sr.best_score[0] > sr.lb and g0.n <= memory.CP_MEMORY_MAX_TASKS and sr.left() >= 0.5:
+        # The uncapped schedule is a good hint: usually a few moves from one within the cap.
+        out = sr.note(memcap.min_makespan(g0, sr.best_score[0], cap, sr.effort(memory.EXACT_DET), uncapped,
+                                          sr.seed))
+        if out.status == "solved":
+            sr.offer("memory-cap-cp", out.start, [])
+    memory.minimise(sr)
+
+
 def solve(
     inst: PipelineInstance,
     seconds: float = 60.0,
     seed: int = 0,
     progress: Progress | None = None,
+    memory_cap: float | None = None,
 ) -> SolveResult:
     """Fused schedule minimising makespan, then peak memory, then the sum of peaks.
 
-    Stops when its stages have spent their effort or after `seconds`, whichever is first.
-    Example: `solve(PipelineInstance.parse("8,4,8,4,5,4,1.95,2"), seconds=10).makespan`.
+    With `memory_cap` no device's peak may exceed it (a hard constraint, so makespan is
+    traded for memory); a cap no schedule meets raises memcap.InfeasibleCap before any
+    search. Stops when its stages have spent their effort or after `seconds`, whichever
+    is first. Example: `solve(PipelineInstance.parse("8,4,8,4,5,4,1.95,2"), seconds=10).makespan`.
     """
     if seconds <= 0:
         raise ValueError(f"seconds={seconds!r} is invalid: it must be > 0")
-    sr = Search(inst, seconds, seed, progress)
+    if memory_cap is not None:
+        memcap.check_cap(inst, memory_cap)
+    sr = Search(inst, seconds, seed, progress, cap=memory_cap)
+    if memory_cap is not None:
+        sr.deadline = sr.t0 + CAP_FIRST_SHARE * seconds  # leave the capped stages time of their own
     _stage_makespan(sr)
     memory.minimise(sr)
+    if memory_cap is not None and sr.peak > memory_cap + 1e-9:
+        sr.deadline = sr.t0 + seconds
+        _stage_capped(sr, memory_cap)
     # Re-time the best order with the reference evaluator: it is the source of truth.
     order = order_from_times(inst, sr.g0.times_to_tasks(sr.best_start))
     ev = evaluate(inst, order)

@@ -31,8 +31,14 @@ def score_of(makespan: int, peaks: list[float]) -> Score:
 class Search:
     """Everything a stage needs: the instance graph, budgets, random stream and incumbent."""
 
-    def __init__(self, inst: PipelineInstance, seconds: float, seed: int, progress: Progress | None):
+    def __init__(self, inst: PipelineInstance, seconds: float, seed: int, progress: Progress | None,
+                 cap: float | None = None):
         self.inst = inst
+        # Hard cap on peak memory (memcap.py). The best schedule within it is kept apart
+        # from the incumbent; once `enforce_cap` is set, offers above the cap are refused.
+        self.cap = cap
+        self.enforce_cap = False
+        self.feasible: tuple[Score, list[int], list[tuple[int, int]]] | None = None
         self.g0 = TaskGraph(inst)
         self.roles = roles(inst)  # primary/secondary model and the primary's 1F1B caps, for every stage
         self.primary_edges = cap_edges(self.g0, self.roles.primary_caps)  # those caps as g0 edges (memory stages)
@@ -64,6 +70,11 @@ class Search:
     def offer(self, stage: str, start: list[int], edges: list[tuple[int, int]]) -> bool:
         """Keep `start` (found under posted `edges`) if it beats the incumbent."""
         score = score_of(self.makespan_of(start), device_peaks_of(self.g0, start))
+        fits = self.cap is None or score[1] <= self.cap + 1e-9
+        if fits and (self.feasible is None or score < self.feasible[0]):
+            self.feasible = (score, list(start), list(edges))
+        if self.enforce_cap and not fits:
+            return False
         if self.best_score is not None and score >= self.best_score:
             return False
         self.best_score, self.best_start, self.best_edges = score, list(start), list(edges)
@@ -71,6 +82,12 @@ class Search:
         if self.progress:
             self.progress(stage, score[0], score[1])
         return True
+
+    def restart_from_feasible(self) -> None:
+        """Enforce the cap from now on, with the best schedule within it as the incumbent."""
+        self.enforce_cap = True
+        if self.feasible is not None:
+            self.best_score, self.best_start, self.best_edges = self.feasible
 
     def rounds_for(self, work: int) -> int:
         """Rounds worth `work` task-rounds on this instance (a round costs about n tasks)."""
