@@ -34,11 +34,11 @@ runner = CliRunner()
 ])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(app, args, needle):
     # The simulator's commands report errors through fuseflow.console.fail, as every other
-    # command does: one "error: ..." line on the console, exit code 2.
+    # command does: one "error: ..." line on stderr, exit code 2.
     res = runner.invoke(app, args)
     assert res.exit_code == 2
-    assert res.stdout.startswith("error: ") and needle in res.stdout
-    assert res.stdout.count("\n") == 1 and res.stderr == ""
+    assert res.stderr.startswith("error: ") and needle in res.stderr and not res.stdout
+    assert res.stderr.count("\n") == 1
     assert "Traceback" not in res.output
 
 

@@ -14,11 +14,13 @@ from pathlib import Path
 from fuseflow.config import Config
 from fuseflow.config_tree import ConfigError
 from fuseflow.data.files import BadFileError, read_json
+from fuseflow.models.source import NAMED_MODELS
 
 
 def check_inputs(cfg: Config) -> None:
     """Raise ``ConfigError`` (one line) for the first unusable file or directory ``cfg`` names."""
-    if cfg.model.path:
+    # A GGUF file or a named model (fuseflow.models.source) is checked when it is converted.
+    if cfg.model.path and cfg.model.path not in NAMED_MODELS and not cfg.model.path.endswith(".gguf"):
         check_model_dir(cfg.model.path, "model.path")
     if cfg.model.tokenizer:
         check_tokenizer_dir(cfg.model.tokenizer, "model.tokenizer")

@@ -157,7 +157,7 @@ class UserFunction:
         bounds = [(a, min(n, a + size)) for a in range(0, n, size)]
         futures = [self._pool.submit(_run_chunk, a, prompts[a:b], responses[a:b], answers[a:b], self.batch,
                                      self.timeout_s) for a, b in bounds]
-        # The pool's processes, held here: a broken pool forgets them, and their exit codes name the crash.
+        # The pool's processes, held here: a broken pool forgets them, and the dead one names the sample.
         self._procs = dict(getattr(self._pool, "_processes", None) or {}) or getattr(self, "_procs", {})
         # The workers time each call themselves; this guard only catches a call that ignores SIGALRM.
         guard = self.timeout_s * (1 if self.batch else size) + 30.0
@@ -176,9 +176,12 @@ class UserFunction:
                     index, exc_type, text = rest
                     raise self._fail(index, prompts, f"raised {exc_type}" + (f": {text}" if text else ""))
         except BrokenProcessPool:
-            index, code = self._crashed()
+            index = self._crashed()
             self._abandon()
-            raise self._fail(index, prompts, f"crashed its worker process ({_exit_text(code)})") from None
+            # Only the sample is named: the exit code is not always known when the pool breaks (the
+            # process may be reaped first), and a one-line message must not depend on that race.
+            raise self._fail(index, prompts, "crashed its worker process (run it with reward.workers=0 to see "
+                             "why)") from None
         except TimeoutError:
             self._abandon()
             raise self._timed_out(None, prompts) from None
@@ -187,17 +190,17 @@ class UserFunction:
             raise
         return out
 
-    def _crashed(self) -> tuple[int | None, int | None]:
-        """The sample the crashed process was on, and its exit code (None, None when unknown)."""
+    def _crashed(self) -> int | None:
+        """The sample the crashed process was on (None when unknown)."""
         for p in list(getattr(self, "_procs", {}).values()):  # ProcessPoolExecutor._processes: read defensively
             p.join(timeout=2.0)  # the pool breaks as the process dies; its exit status can lag a moment
             code = p.exitcode
             if code is not None and code != -signal.SIGTERM:
                 slot = next((s for s, pid in enumerate(self._pids) if pid == p.pid), None)
                 index = self._slots[slot] if slot is not None else -1
-                return (index if index >= 0 else None), code
+                return index if index >= 0 else None
         busy = [i for i in self._slots if i >= 0]  # else: the one sample in progress, when only one was
-        return (busy[0] if len(busy) == 1 else None), None
+        return busy[0] if len(busy) == 1 else None
 
     def _abandon(self) -> None:
         pool, self._pool = self._pool, None
@@ -279,12 +282,3 @@ def _plain(value):
         return value
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "it exited"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
