@@ -45,20 +45,13 @@ import torch
 
 from fuseflow.controller.group import Future as GroupFuture
 from fuseflow.data.batch import Batch
-from fuseflow.policy.elastic import (
-    DecodeCost,
-    ReplicaOption,
-    cheapest_within,
-    fit_decode_cost,
-    replica_seconds,
-)
-from fuseflow.policy.lengths import LengthPredictor, assign_by_length
 from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
 from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import EngineConfig
 from fuseflow.telemetry.gantt import parse_trace, trace_step_metrics
 
+from .elastic import ReplicaChooser
 from .pending import load_pending, save_pending
 from .pool import RolloutPool, TaskQueue
 from .stages import FROZEN, Generated, Stages, field_of, overlap
@@ -67,7 +60,6 @@ from .staleness import check_staleness, min_version_for, staleness_metrics
 WAIT_S = 600.0  # longest wait for one sample before the step is declared stuck
 SPAN_OF = {"old_logprobs": "old_logprob", "ref_logprobs": "reference", "values": "values",
            "cost_values": "cost_values"}  # trace span of each inference field (sequential order)
-PRIOR_DECODE = DecodeCost(0.01, 0.0005)  # elastic's decode cost before its engines measured any step
 
 
 class Strategy:
@@ -129,12 +121,11 @@ class Sequential(Strategy):
     def _draw(self, step: int, rnd: int, n: int, offset: int) -> Generated:
         st, span = self.stages, self.tracer.span
         requests, prompts = st.requests_for(step, rnd, n, offset)
+        prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
         with span("generate", step):
-            samples = st.roles.actor.generate(requests)
-            gen = Generated.of(samples, {r.uid: p for r, p in zip(requests, prompts, strict=True)}, st.tokenizer)
+            gen = Generated.of(st.roles.actor.generate(requests), prompt_of, st.tokenizer)
         with span("reward", step):
-            gen.merge([st.infer(gen.samples, ("reward",), dict(zip([x.uid for x in gen.samples], gen.prompts,
-                                                                   strict=True)))])
+            gen.merge([st.infer(gen.samples, ("reward",), prompt_of)])
         return gen
 
 
@@ -163,9 +154,7 @@ class Pooled(Strategy):
         self.prefetch: tuple[int, Future, int] | None = None  # (step, result, stream cursor before its draw)
         self.history: list[list[int]] = []  # response lengths of earlier steps (auto threshold)
         self.train_tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
-        self.predictor = LengthPredictor(s.predictor_window, cfg.model.max_response_len / 2)
-        self.elastic_info: dict[str, float] = {}
-        self._rest = 0.0  # seconds of the last step outside generation (the elastic rule's budget base)
+        self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
         if resumed_from is not None:
             self._restore(resumed_from)
@@ -254,7 +243,7 @@ class Pooled(Strategy):
         requests, prompts = drawn
         n, tasks, arrived = len(requests), TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
-        shards = self._elastic_shards(requests) if self.elastic else self._shards(requests)
+        shards = self.chooser.shards(requests, self.pool) if self.chooser else self._shards(requests)
         t_start, last_finish = time.perf_counter(), {}
         # A background (prefetch) generation runs beside training, the critical path: its workers
         # run under SCHED_IDLE so that training keeps its core (measured in docs/benchmarks.md).
@@ -301,8 +290,8 @@ class Pooled(Strategy):
                 if should_migrate(pending, budgets, n, threshold):
                     migrated = self.pool.migrate(plan_migration(pending, budgets), step)
         self._gen_seconds = time.perf_counter() - t_start
-        if self.elastic and last_finish:
-            self.elastic_info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
+        if self.chooser and last_finish:
+            self.chooser.info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
         if stream and len(batcher):
             submit(batcher.take(), stream)
         rest = tuple(x for x in after if x not in stream)
@@ -314,8 +303,8 @@ class Pooled(Strategy):
             pass
         self.pool.join()
         self.pool.check_alive(step)
-        if self.elastic:
-            self._observe(requests, done)
+        if self.chooser:
+            self.chooser.observe(requests, done)
         gen = Generated.of(done, prompt_of, self.stages.tokenizer, migrated)
         gen.merge(results)
         return gen
@@ -365,36 +354,6 @@ class Pooled(Strategy):
         gl, k = list(groups.values()), len(self.pool)
         bounds = [round(i * len(gl) / k) for i in range(k + 1)]
         return [[r for g in gl[bounds[i]:bounds[i + 1]] for r in g] for i in range(k)]
-
-    # ------------------------------------------------------------------ elastic
-    def _elastic_shards(self, requests: list[RolloutRequest]) -> list[list[RolloutRequest]]:
-        """The cost-aware replica count and the length-aware assignment for this step's requests."""
-        pred = self.predictor.predict([tuple(r.prompt_ids) for r in requests])
-        groups = [r.group_id for r in requests]
-        log = list(self.pool.step_log)
-        cost = fit_decode_cost([r for r, _ in log], [t for _, t in log], PRIOR_DECODE)
-        slots = self.pool.config.max_num_seqs
-        options = []
-        for w in range(1, len(self.pool) + 1):
-            assign = assign_by_length(pred, groups, w)
-            times = [replica_seconds([pred[i] for i in a], slots, cost) for a in assign if a]
-            options.append(ReplicaOption(w, max(times), sum(times), assign))
-        choice = cheapest_within(options, self.s.elastic_slowdown, rest=self._rest)
-        self.elastic_info = {"elastic/replicas": float(sum(1 for a in choice.detail if a)),
-                             "elastic/predicted_seconds": choice.seconds,
-                             "elastic/predicted_length_mean": sum(pred) / len(pred)}
-        self._predicted = dict(zip([r.uid for r in requests], pred, strict=True))
-        shards = [[requests[i] for i in a] for a in choice.detail]
-        return shards + [[] for _ in range(len(self.pool) - len(shards))]
-
-    def _observe(self, requests: list[RolloutRequest], done: list[Sample]) -> None:
-        """Record the step's actual lengths for the predictor, and how far the prediction was off."""
-        prompt = {r.uid: tuple(r.prompt_ids) for r in requests}
-        actual = {x.uid: len(x.response_ids) for x in done}
-        err = [abs(self._predicted[u] - n) for u, n in actual.items()]
-        self.elastic_info["elastic/length_abs_error"] = sum(err) / len(err)
-        self.elastic_info["elastic/length_actual_mean"] = sum(actual.values()) / len(actual)
-        self.predictor.observe([prompt[u] for u in actual], list(actual.values()))
 
     # ------------------------------------------------------------------ training
     def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
@@ -456,8 +415,8 @@ class Pooled(Strategy):
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
             self.pool.held.clear()
             out["time/rollout_worker_seconds"] = sum(held)
-            out |= self.elastic_info
-            self._rest = max(0.0, (time.perf_counter() - mark) - self._gen_seconds)
+            out |= self.chooser.info
+            self.chooser.rest = max(0.0, (time.perf_counter() - mark) - self._gen_seconds)
         events = [e for e in list(self.tracer.events) if e.get("args", {}).get("step") == step]
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": v}}
                 for k, v in self.tracer.tracks.items()]
@@ -481,9 +440,9 @@ class Pooled(Strategy):
                 by_uid[x.uid][0].prompt_ids != x.prompt_ids for x in samples):
             raise ValueError(f"{ckpt_dir}: the saved samples of step {step} do not match this config's prompts "
                              "(were trainer.prompts_per_step, algorithm.group_size or the task changed?)")
-        gen = Generated.of(samples, {uid: p for uid, (_r, p) in by_uid.items()}, st.tokenizer)
-        gen.merge([st.infer(gen.samples, ("reward",), {x.uid: p for x, p in zip(gen.samples, gen.prompts,
-                                                                                strict=True)})])
+        prompt_of = {uid: p for uid, (_r, p) in by_uid.items()}
+        gen = Generated.of(samples, prompt_of, st.tokenizer)
+        gen.merge([st.infer(gen.samples, ("reward",), prompt_of)])
         fut: Future = Future()
         fut.set_result(gen)
         self.prefetch = (step, fut, cursor)
