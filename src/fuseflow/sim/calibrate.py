@@ -7,7 +7,9 @@ from its metrics (sample count, mean prompt length, mean and max response length
 price each traced stage with the same cost model the simulator uses, and fit the
 efficiency factors (train/infer MFU, decode bandwidth use, per-layer latency, host
 seconds per sample) by least squares on log stage times (Nelder-Mead over log-factors).
-The prediction of a step is the sum of its predicted stages, as in the sequential policy.
+The prediction of a step puts its predicted stages together as the run's `schedule.mode`
+runs them (`runtime.step_seconds`): their sum for `sequential`, overlapped by the pooled
+strategies' own rules for `fused`, `async` and the rest.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import yaml
 
 from fuseflow.policy.microbatch import group_by_length
 
-from .costmodel import DecodeModel, Layout, infer_cost, train_cost
+from .costmodel import INFER_MICRO_BATCH_TOKENS, DecodeModel, Layout, infer_cost, train_cost
 from .generation import Seq, run_replica
 from .hardware import HardwareSpec, get_hardware
 from .modelspec import ModelSpec, from_hf_config
+from .runtime import INFERENCE, RuntimeMode, step_seconds
 
 STAGES = ("generate", "reference", "values", "reward", "old_logprob", "advantages",
-          "critic_update", "actor_update", "weight_sync")  # fmt: skip
+          "critic_update", "actor_update", "weight_sync", "inference")  # fmt: skip
+# Pooled strategies trace their inference micro-batches as "inference" (every stage of the
+# micro-batch in one box); it is fitted against the sum of those stages' predictions.
 # Starts of the fit besides the spec's own factors (see `fit`): per-layer latency near zero, MFUs near one.
 ALT_STARTS = ({"layer_latency_s": 1e-6}, {"train_mfu": 0.9, "infer_mfu": 0.9})
 FIT_STARTS = 1 + len(ALT_STARTS)
@@ -50,6 +55,7 @@ class StepRecord:
     step_seconds: float
     stages: dict[str, float] = field(default_factory=dict)
     prompt_max: float = 0.0  # 0: unknown (older metrics), taken as the mean
+    replicas: int = 0  # rollout workers this step used (elastic's `elastic/replicas`); 0: the pool's size
 
 
 @dataclass
@@ -66,6 +72,8 @@ class RunData:
     # length and trim each group to its longest row; None: older runs, padded to the batch.
     token_budget: int | None = None
     padded_prompts: bool = True  # the old sampler left-pads prompts; the rollout engine does not
+    mode: RuntimeMode = field(default_factory=RuntimeMode)
+    group_size: int = 1  # samples per prompt: rollout workers get whole groups
 
 
 def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
@@ -88,15 +96,17 @@ def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
         raise ValueError(f"run_dir {str(run)!r}: missing model_config.json (the policy's HF config.json)")
     model = from_hf_config(json.loads(mc.read_text()), name=(cfg.get("model") or {}).get("size", "policy"))
     trainer = cfg.get("trainer") or {}
-    by_step: dict[int, dict[str, float]] = {}
+    by_track: dict[int, dict[tuple[str, int], float]] = {}
     trace = run / "trace.json"
     events = json.loads(trace.read_text()).get("traceEvents", []) if trace.is_file() else []
     for ev in events:
         if ev.get("ph") != "X" or ev.get("name") not in STAGES:
             continue
         step = int((ev.get("args") or {}).get("step", -1))
-        stages = by_step.setdefault(step, {})
-        stages[ev["name"]] = stages.get(ev["name"], 0.0) + float(ev["dur"]) / 1e6
+        key = (ev["name"], int(ev.get("tid", 0)))
+        tracks = by_track.setdefault(step, {})
+        tracks[key] = tracks.get(key, 0.0) + float(ev["dur"]) / 1e6
+    by_step = {step: _stage_seconds(tracks) for step, tracks in by_track.items()}
     steps = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         if not line.strip():
@@ -110,15 +120,30 @@ def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
         steps.append(StepRecord(step, int(m["rollout/num_samples"]), float(m["rollout/prompt_length_mean"]),
                                 float(m["rollout/response_length_mean"]), int(m["rollout/response_length_max"]),
                                 float(m["time/step_seconds"]), by_step.get(step, {}),
-                                float(m.get("rollout/prompt_length_max", 0.0))))  # fmt: skip
+                                float(m.get("rollout/prompt_length_max", 0.0)),
+                                int(m.get("elastic/replicas", 0))))  # fmt: skip
     steps = [s for s in steps if s.stages or not need_trace]
     if not steps:
         raise ValueError(f"run_dir {str(run)!r}: no step has both metrics and trace events")
-    budget = (cfg.get("schedule") or {}).get("token_budget")
+    sched = cfg.get("schedule") or {}
+    budget = sched.get("token_budget")
     backend = (cfg.get("rollout") or {}).get("backend", "sampler")
-    return RunData(model, (cfg.get("algorithm") or {}).get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
+    mode = RuntimeMode(str(sched.get("mode", "sequential")), int(sched.get("rollout_workers", 1)),
+                       int(sched.get("max_staleness", 1)))  # fmt: skip
+    algo = cfg.get("algorithm") or {}
+    return RunData(model, algo.get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
                    int(trainer.get("micro_batch_size", 1 << 30)), int(trainer.get("epochs", 1)), steps,
-                   int(budget) if budget else None, backend != "engine")  # fmt: skip
+                   int(budget) if budget else None, backend != "engine", mode,
+                   int(algo.get("group_size", 1)))  # fmt: skip
+
+
+def _stage_seconds(tracks: dict[tuple[str, int], float]) -> dict[str, float]:
+    """One step's seconds per stage from its per-(stage, track) sums: rollout workers decode their
+    shards side by side, so "generate" is the longest track; every other stage is summed."""
+    out: dict[str, float] = {}
+    for (name, _track), sec in tracks.items():
+        out[name] = max(out.get(name, 0.0), sec) if name == "generate" else out.get(name, 0.0) + sec
+    return out
 
 
 def step_lengths(rec: StepRecord) -> tuple[np.ndarray, np.ndarray]:
@@ -196,6 +221,8 @@ class StepShapes:
     # Decode workload, (context at start, response tokens) per row; `Seq`s are built per pricing
     # because the decode simulation advances them in place.
     decode: tuple[tuple[int, int], ...]
+    # Sample indices each rollout worker decodes (one shard for the plain strategy).
+    shards: tuple[tuple[int, ...], ...] = ()
 
     @property
     def samples(self) -> int:
@@ -225,7 +252,23 @@ def step_shapes(run: RunData, rec: StepRecord) -> StepShapes:
     # The old sampler starts every row's KV context at the longest prompt; the engine at its own.
     decode = tuple((int(p_max) if run.padded_prompts else int(p), int(r))
                    for p, r in zip(prompt, resp, strict=True))  # fmt: skip
-    return StepShapes(seq, train_seq, mb_tokens, train_mb, mini, decode)
+    return StepShapes(seq, train_seq, mb_tokens, train_mb, mini, decode, _shards(run, rec, n))
+
+
+def _shards(run: RunData, rec: StepRecord, n: int) -> tuple[tuple[int, ...], ...]:
+    """Whole prompt groups split evenly over the step's rollout workers, as `Pooled._shards` does."""
+    workers = (rec.replicas or run.mode.workers) if run.mode.pooled else 1
+    size = max(1, run.group_size)
+    groups = [tuple(range(i, min(i + size, n))) for i in range(0, n, size)]
+    bounds = [round(i * len(groups) / workers) for i in range(workers + 1)]
+    return tuple(tuple(x for g in groups[bounds[i] : bounds[i + 1]] for x in g) for i in range(workers))
+
+
+def decode_finishes(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> list[list[tuple[int, float]]]:
+    """(sample, finish seconds) per rollout worker, each decoding its shard from time 0."""
+    dm = DecodeModel(run.model, hw)
+    shards = shapes.shards or (tuple(range(shapes.samples)),)
+    return [run_replica(dm, [Seq(i, *shapes.decode[i]) for i in shard]).finishes for shard in shards]
 
 
 def price_stages(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> dict[str, float]:
@@ -234,7 +277,7 @@ def price_stages(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> dict[str
     host = hw.efficiency.host_seconds_per_sample * s.samples
     infer = infer_cost(m, hw, lay, s.seq, s.mb_tokens).seconds
     out = {
-        "generate": run_replica(DecodeModel(m, hw), [Seq(i, p, r) for i, (p, r) in enumerate(s.decode)]).end,
+        "generate": max((t for f in decode_finishes(run, s, hw) for _, t in f), default=0.0),
         "reference": infer,
         "old_logprob": infer,
         "reward": host,
@@ -254,10 +297,40 @@ def predict_stages(run: RunData, rec: StepRecord, hw: HardwareSpec) -> dict[str,
     return price_stages(run, step_shapes(run, rec), hw)
 
 
+def predict_step(run: RunData, shapes: StepShapes, hw: HardwareSpec, priced: dict[str, float] | None = None) -> float:
+    """Predicted seconds of one step: its priced stages put together as the run's mode runs them."""
+    priced = price_stages(run, shapes, hw) if priced is None else priced
+    if not run.mode.pooled:
+        return sum(priced.values())
+    width = [p + r for p, r in shapes.decode]
+    budget = run.token_budget or INFER_MICRO_BATCH_TOKENS
+    value = run.model.as_value_model() if run.algorithm == "ppo" else None
+
+    def chunk(rows: list[int], names: tuple[str, ...]) -> float:
+        # A micro-batch is trimmed to its longest row, so every row costs that width.
+        lens = np.full(len(rows), max(width[i] for i in rows), dtype=float)
+        total = 0.0
+        for name in names:
+            if name == "reward":
+                total += hw.efficiency.host_seconds_per_sample * len(rows)
+            elif name == "values" and value is not None:
+                total += infer_cost(value, hw, Layout(), lens, budget).seconds
+            elif name in ("reference", "old_logprob"):
+                total += infer_cost(run.model, hw, Layout(), lens, budget).seconds
+        return total
+
+    return step_seconds(run.mode, priced, decode_finishes(run, shapes, hw), width, budget, chunk)
+
+
+def _with_inference(priced: dict[str, float]) -> dict[str, float]:
+    """`priced` plus "inference": the pooled strategies trace their micro-batches' stages as one box."""
+    return priced | {"inference": sum(priced.get(x, 0.0) for x in INFERENCE)}
+
+
 def _loss(recs: list[tuple[StepRecord, StepShapes]], run: RunData, hw: HardwareSpec) -> float:
     err = []
     for rec, shapes in recs:
-        pred = price_stages(run, shapes, hw)
+        pred = _with_inference(price_stages(run, shapes, hw))
         for name, obs in rec.stages.items():
             if name in pred and pred[name] > 0 and obs > 1e-5:
                 err.append(math.log(pred[name] / obs))
@@ -351,7 +424,7 @@ def fit(
 
 def predict_run(run: RunData, hw: HardwareSpec) -> dict:
     """Median step seconds of `run`, measured and predicted with `hw`'s efficiency factors."""
-    pred = float(np.median([sum(predict_stages(run, r, hw).values()) for r in run.steps]))
+    pred = float(np.median([predict_step(run, step_shapes(run, r), hw) for r in run.steps]))
     meas = float(np.median([r.step_seconds for r in run.steps]))
     return {"measured": meas, "predicted": pred, "relative_error": (pred - meas) / meas}
 
@@ -383,11 +456,12 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
 
     fitted = fit(run, base, shapes=shapes, on_start=tick)
     stages = [price_stages(run, sh, fitted) for sh in shapes]
-    preds = [sum(st.values()) for st in stages]
+    preds = [predict_step(run, sh, fitted, st) for sh, st in zip(shapes, stages, strict=True)]
     measured = [r.step_seconds for r in run.steps]
     med_pred, med_meas = float(np.median(preds)), float(np.median(measured))
     out = {
         "run_dir": str(run_dir), "hardware": hardware, "steps": len(run.steps), "model_params": run.model.params,
+        "mode": run.mode.mode, "rollout_workers": run.mode.workers,
         "fitted_efficiency": {k: float(f"{v:.6g}") for k, v in asdict(fitted.efficiency).items()},
         "median_step_seconds": {"measured": med_meas, "predicted": med_pred,
                                 "relative_error": (med_pred - med_meas) / med_meas},
@@ -396,12 +470,13 @@ def calibrate(run_dir: str | Path, hardware: str = "cpu", predict_dir: str | Pat
     for name in STAGES:
         obs = [r.stages[name] for r in run.steps if name in r.stages]
         if obs:
-            pred = [st.get(name, 0.0) for r, st in zip(run.steps, stages, strict=True) if name in r.stages]
+            pred = [_with_inference(st).get(name, 0.0) for r, st in zip(run.steps, stages, strict=True)
+                    if name in r.stages]
             out["stages_median_seconds"][name] = {"measured": float(np.median(obs)), "predicted": float(np.median(pred))}
     if held_out:
         train_recs, test_recs = run.steps[0::2], run.steps[1::2]
         held = fit(run, base, train_recs, shapes[0::2], on_start=tick)
-        p = float(np.median([sum(price_stages(run, sh, held).values()) for sh in shapes[1::2]]))
+        p = float(np.median([predict_step(run, sh, held) for sh in shapes[1::2]]))
         m = float(np.median([r.step_seconds for r in test_recs]))
         out["held_out"] = {"fit_on": "even steps", "test_on": "odd steps", "measured": m, "predicted": p,
                            "relative_error": (p - m) / m}  # fmt: skip

@@ -205,7 +205,8 @@ def calibrate_cmd(
         fail(str(err))
     med = result["median_step_seconds"]
     text = (f"fitted {result['fitted_efficiency']}\n"
-            f"median step: measured {med['measured']:.3f}s, predicted {med['predicted']:.3f}s "
+            f"median step ({result['mode']}, {result['rollout_workers']} rollout worker(s)): "
+            f"measured {med['measured']:.3f}s, predicted {med['predicted']:.3f}s "
             f"({100 * med['relative_error']:+.1f}%)")  # fmt: skip
     if "held_out" in result:
         text += f"\nheld-out (fit even steps, test odd): {100 * result['held_out']['relative_error']:+.1f}%"
