@@ -90,3 +90,21 @@ def test_pooled_run_reads_workers_shards_and_per_track_stages(tmp_path):
     assert len(seq_shapes.shards) == 1
     # Two workers decode half the batch each and stream inference: never slower than one worker's sum.
     assert fused < predict_step(run, seq_shapes, hw)
+
+
+def test_pipelined_generation_is_the_layout_that_fits_when_a_replica_does_not():
+    from dataclasses import replace
+
+    from fuseflow.sim.generation import Seq, generation_layouts
+    from fuseflow.sim.modelspec import get_model
+
+    model = get_model("qwen2.5-3b")  # 12.3 GB of fp32 weights on the cpu spec
+    seqs = [Seq(i, 32, 16) for i in range(32)]
+    roomy = generation_layouts(model, get_hardware("cpu"), 2, seqs, 16)  # 16 GB devices: both fit
+    assert roomy["tp1.pp1 x2"]["fits"] and roomy["tp1.pp2 x1"]["fits"]
+    # Memory-bound decode reads the weights once per round either way: pipelining is no faster here.
+    assert roomy["tp1.pp2 x1"]["seconds"] >= roomy["tp1.pp1 x2"]["seconds"] * 0.99
+    small = replace(get_hardware("cpu"), mem_capacity=10e9)  # 8 GB usable: half the weights fit, not all
+    tight = generation_layouts(model, small, 2, seqs, 16)
+    assert not tight["tp1.pp1 x2"]["fits"] and tight["tp1.pp1 x2"]["seconds"] is None
+    assert tight["tp1.pp2 x1"]["fits"] and tight["tp1.pp2 x1"]["seconds"] > 0

@@ -162,3 +162,35 @@ def simulate_generation(
         out.append(ReplicaRun([(part[pos[sid]].id, t) for sid, t in run.finishes],
                               [part[pos[s.id]] for s in run.leftover], run.end))  # fmt: skip
     return out
+
+
+def generation_layouts(
+    model, hw, devices: int, seqs: list[Seq], max_response: float, layouts: list[tuple[int, int]] | None = None,
+) -> dict[str, dict]:  # fmt: skip
+    """Seconds to generate `seqs` on `devices` devices with each rollout layout, as the plan search prices it.
+
+    A layout is tp x pp devices per replica, `devices // (tp * pp)` replicas fed round-robin;
+    pp > 1 is pipelined generation (micro-batches in flight, `DecodeModel`). A layout whose
+    weights leave no KV room for one sequence is reported with ``fits: False`` and no seconds:
+    that is where pipelined generation pays even when it decodes slower than replicas
+    (Pipe-RLHF). Keys are ``"tp{t}.pp{p} x{replicas}"``.
+    Example: a 7B fp32 model (28 GB) on 2 `cpu` devices of 16 GB: ``tp1.pp1 x2`` does not fit,
+    ``tp1.pp2 x1`` does.
+    """
+    from .costmodel import DecodeModel
+    from .placement import gen_layouts
+
+    prompt = max((s.prompt for s in seqs), default=0)
+    out: dict[str, dict] = {}
+    for tp, pp in layouts or gen_layouts(model, hw, devices):
+        dm = DecodeModel(model, hw, tp, pp)
+        replicas = devices // dm.gpus
+        cap = kv_capacity_seqs(dm, hw.usable_memory - dm.weight_bytes_per_gpu(), prompt, max_response)
+        key = f"tp{tp}.pp{pp} x{replicas}"
+        if cap < 1 or replicas < 1:
+            out[key] = {"fits": False, "seconds": None, "kv_seqs_per_replica": max(cap, 0)}
+            continue
+        fresh = [Seq(s.id, s.prompt, s.target, s.group) for s in seqs]
+        runs = simulate_generation(dm, round_robin(fresh, replicas), cap)
+        out[key] = {"fits": True, "seconds": max(r.end for r in runs), "kv_seqs_per_replica": cap}
+    return out
