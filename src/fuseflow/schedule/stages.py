@@ -67,6 +67,7 @@ class Roles:
     reference: WorkerGroup
     reward: WorkerGroup
     critics: list[WorkerGroup]
+    rollout: Any = None  # backend=ray: the rollout replica processes (controller.replica.ReplicaSet); local: None
 
     @property
     def inference_stages(self) -> tuple[str, ...]:
@@ -195,11 +196,12 @@ class Stages:
         response). Runs on whichever thread calls it (a rollout worker that is free, in pooled modes)."""
         prompts = [prompt_of[x.uid] for x in samples]
         texts = [decode_response(self.tokenizer, x.response_ids) for x in samples]
-        per_token = {}
-        if any(name != "reward" for name in names):
+        started = {}
+        if any(name != "reward" for name in names):  # every model stage starts before any is waited for
             mb = self.to_batch(samples, prompts, texts, {})
-            per_token = {k: start().result() for k, start in self.inference_calls(mb, names).items()}
+            started = {k: start() for k, start in self.inference_calls(mb, names).items()}
         per_sample = self.score(samples, prompts, texts) if "reward" in names else {}
+        per_token = {k: f.result() for k, f in started.items()}
         rows: dict[str, dict[int, torch.Tensor]] = {}
         for i, x in enumerate(samples):
             n = len(x.response_ids)

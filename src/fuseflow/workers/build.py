@@ -124,6 +124,19 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     return worker
 
 
+def build_rollout_engine(ctx: RoleContext):
+    """A rollout replica's engine (backend=ray): its own copy of the policy, built as the actor's is
+    (same checkpoint, same LoRA adapters), so the weight sync's parameter lists match."""
+    from fuseflow.rollout.engine import Engine, EngineConfig
+
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    device, _ = resolve_device(cfg.device)
+    model = _policy(ctx, device, DistInfo()).eval().requires_grad_(False)
+    _FROZEN_BASES.clear()  # no reference is built in a replica process
+    return Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
+                  tokenizer=run_tokenizer(cfg))
+
+
 def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
