@@ -49,7 +49,10 @@ MODES = ("sequential", "fused", "async", "fused+async", "elastic", "fused+elasti
 PPO = ("algorithm.name=ppo", "algorithm.kl_in_reward=true", "trainer.eval_every=1000", "trainer.save_every=1000")
 
 
-RAY = ("backend=ray", "placement.rollout=rollout")  # every mode on replica processes, sequential too
+# Every mode on replica processes (sequential too); the roles share one process of one CPU slot. Two
+# slots (two torch threads) were tried once: steps of 74-142 s at load 20+ on this shared 2-core
+# machine, against 4-10 s with one slot at load ~15 (docs/ray_rollout.md), so it keeps one.
+RAY = ("backend=ray", "placement.rollout=rollout")
 
 
 def fusion_overrides(mode: str, workers: int, steps: int, quick: bool, extra: list[str] | None = None,

@@ -88,9 +88,14 @@ class RayRolloutPool:
             return len(self.live)
 
     def idle_live(self) -> int:
-        """Dispatchers waiting for a task: an inference micro-batch handed over now starts at once."""
+        """Dispatchers waiting for a task, or 0 while one is in flight.
+
+        Why 0 then: the inference roles' processes are busy, so finished samples had better wait
+        and join one larger micro-batch than queue behind it in small ones (a Ray call per stage
+        each); once the flight lands, what gathered meanwhile goes out together.
+        """
         with self._lock:
-            return self._dispatchers - self._busy_dispatchers
+            return 0 if self._busy_dispatchers else self._dispatchers
 
     def join(self) -> None:
         """Wait for the step's streams and dispatchers; collect the replicas' measured engine steps."""
