@@ -93,6 +93,7 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
     assert synced["sent"] == synced["expected"]  # the parameters once each, in buckets: no state-dict pickle
     assert len(synced["pids"]) == 2  # two replica processes
     assert sum(m["schedule/migrated_samples"] for m in fused[1]) > 0  # the tail moved between processes
+    assert sum(m["schedule/replica_logprob_batches"] for m in fused[1]) > 0  # freed replicas took inference
     assert fused[1][1]["rollout/weight_sync_mb"] == pytest.approx(synced["sent"] / 2**20)
     versions = [set(b.meta["policy_version"]) for b in fused[0]]
     assert versions == [{0}, {1}]  # step 2 decoded with the weights synced after step 1

@@ -44,10 +44,11 @@ ROLE = "rollout"  # how errors name a replica: "rollout worker rank i (pool NAME
 class RolloutReplica:
     """One rollout replica process: ``builder()`` makes its engine (its own model copy) where it runs."""
 
-    def __init__(self, builder: Callable[[], Engine], index: int, threads: int = 1):
+    def __init__(self, builder: Callable[[], Engine | tuple[Engine, Any]], index: int, threads: int = 1):
         torch.set_num_threads(max(1, threads))
         self.index = index
-        self.engine = builder()
+        built = builder()  # the engine, or (engine, scorer): a worker with ``compute_logprobs`` on its model
+        self.engine, self.scorer = built if isinstance(built, tuple) else (built, None)
         self.group: WeightGroup | None = None
         self._lock = threading.Lock()  # a decode loop ends and ``add`` hands it samples atomically
         self._running = False
@@ -61,6 +62,7 @@ class RolloutReplica:
         """Engine capacity (for the migration plan) and the weights' signature (checked against the trainer's)."""
         e = self.engine
         return {"config": e.config, "kv_tokens": e.num_blocks * e.config.block_size, "pid": os.getpid(),
+                "scores": self.scorer is not None,
                 "signature": signature(e.model), "version": e.policy_version}
 
     # ------------------------------------------------------------------ generation
@@ -125,6 +127,20 @@ class RolloutReplica:
         with e._lock:
             seqs = [*e.scheduler.running, *e.scheduler.waiting]
             return [PendingSample(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens)) for s in seqs]
+
+    def compute_logprobs(self, batch) -> Any:
+        """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights.
+
+        Once synced these are the actor's, so a replica with nothing to decode takes the old
+        log-probs off the roles' process (RLHFuse: freed rollout workers run inference).
+        """
+        from .dispatch import from_wire, to_wire
+
+        if self.scorer is None:
+            raise RuntimeError(f"rollout replica {self.index} was built without a scorer")
+        t0 = time.perf_counter()
+        out = self.scorer.compute_logprobs(from_wire(batch))
+        return to_wire(out), time.perf_counter() - t0
 
     def step_log(self) -> list[tuple[int, float]]:
         """Engine steps measured since the last call (the elastic rule fits its decode cost to them)."""
@@ -209,6 +225,11 @@ class ReplicaSet:
     @property
     def signature(self) -> list:
         return self._info()[0]["signature"]
+
+    @property
+    def scores(self) -> bool:
+        """Whether the replicas can compute log-probs (``RolloutReplica.compute_logprobs``)."""
+        return all(i["scores"] for i in self._info())
 
     @property
     def pids(self) -> list[int]:

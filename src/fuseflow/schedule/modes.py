@@ -97,6 +97,7 @@ class Pooled(Strategy):
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
+        self._scored = 0
         if resumed_from is not None:
             self._restore(resumed_from)
 
@@ -196,8 +197,10 @@ class Pooled(Strategy):
         migrated = 0
         threshold = self._threshold()
 
+        old_logprob = self._replica_logprobs(step)
+
         def submit(group: list[Sample], names: tuple[str, ...]) -> None:
-            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of)))
+            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of, old_logprob)))
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
 
@@ -255,8 +258,8 @@ class Pooled(Strategy):
         if not missing:
             return
         prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
-        tasks = TaskQueue()
-        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of))
+        tasks, old_logprob = TaskQueue(), self._replica_logprobs(step)
+        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob))
                    for g in _by_length(gen.samples, self.s.token_budget)]
         tasks.closed.set()
         self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks,
@@ -273,6 +276,13 @@ class Pooled(Strategy):
         if ran:
             self.tracer.record("inference", step, self.infer_track, t0, time.perf_counter())
         return ran
+
+    def _replica_logprobs(self, step: int) -> Callable | None:
+        """Replica processes may compute step ``step``'s old log-probs while they hold the weights the
+        actor has now (version ``step - 1``); None on threads (they run the actor's call themselves)."""
+        if self.pool.threaded or self.pool.policy_version != step - 1:
+            return None
+        return self.pool.logprobs_future
 
     def _idle_live(self) -> int:
         """Workers that would take an inference task now (threads: held ones with nothing to decode)."""
@@ -351,6 +361,9 @@ class Pooled(Strategy):
         mark = self._mark
         out = super().step_metrics(step) | self._sync
         self._sync = {}
+        if not self.pool.threaded:  # micro-batches whose old log-probs a free replica process computed
+            out["schedule/replica_logprob_batches"] = float(self.pool.scored - self._scored)
+            self._scored = self.pool.scored
         if self.elastic:  # held time of the threads that ended since the step began (clipped to it)
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
             self.pool.held.clear()

@@ -9,8 +9,9 @@ replica process (``fuseflow.controller.replica``) with its own engine and weight
   when its engine runs dry: the replica is then released (elastic bills held time per stream).
 - Inference tasks (``TaskQueue``) run on a few controller threads that only wait on the
   inference groups' Ray futures; the models live in the inference roles' processes, so a micro-batch
-  goes out the moment it fills, whatever the replicas are doing. Freed replicas do not run
-  inference here (they hold only the policy), which is the difference from the threaded pool.
+  goes out the moment it fills, whatever the replicas are doing. A replica with nothing to decode
+  takes the one stage its model can run, the old log-probs (``logprobs_future``), while its
+  weights are the actor's; the other stages need models only the roles' processes hold.
 - ``migrate`` aborts samples on their source replica and adds the exported ``PartialState`` to
   the target over Ray, starting a stream there if none runs.
 - ``set_weights`` broadcasts the actor's weights from its rank-0 process (``ReplicaSet.sync``).
@@ -23,6 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from fuseflow.controller.dispatch import from_wire, to_wire
+from fuseflow.controller.group import Future
 from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
 
@@ -52,6 +55,8 @@ class RayRolloutPool:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._busy_dispatchers = 0
+        self._scoring: set[int] = set()  # replicas computing log-probs now
+        self.scored = 0  # micro-batches whose old log-probs a replica computed
         self._dispatchers = 0
         self._args: tuple | None = None  # (step, on_sample, tasks, background) of the running generation
 
@@ -175,6 +180,21 @@ class RayRolloutPool:
             self._threads.append(t)
         t.start()
 
+    def logprobs_future(self, batch) -> Future | None:
+        """Old log-probs of ``batch`` started on a replica with nothing to decode or score, or None when
+        every replica is busy (the caller then asks the actor). Only valid while the replicas hold the
+        actor's current weights: the strategy checks the version."""
+        if not self.replicas.scores:
+            return None
+        with self._lock:
+            free = [i for i in range(len(self)) if i not in self.live and i not in self._scoring]
+            if not free:
+                return None
+            i = free[0]
+            self._scoring.add(i)
+        step = self._args[0] if self._args else 0
+        return _Scored(self, i, step, self.replicas.handles[i].compute_logprobs.remote(to_wire(batch)))
+
     # ------------------------------------------------------------------ migration
     def pending(self) -> dict[int, list[PendingSample]]:
         """Unfinished samples per replica (one call to each)."""
@@ -204,3 +224,32 @@ class RayRolloutPool:
             self.tracer.instant("migrate", step, track=self.tracks[0], moved=moved, freed=list(plan.freed))
         self.migrated += moved
         return moved
+
+
+class _Scored(Future):
+    """A replica's log-probs in flight; the replica is free to score again once it is collected."""
+
+    def __init__(self, pool: RayRolloutPool, i: int, step: int, ref):
+        self.pool, self.i, self.step, self.ref = pool, i, step, ref
+        self.refs = [ref]
+        self._value: tuple | None = None
+        self.t0 = time.perf_counter()
+
+    def done(self) -> bool:
+        import ray
+
+        return bool(ray.wait([self.ref], timeout=0)[0])
+
+    def result(self):
+        if self._value is None:
+            try:
+                out, _seconds = self.pool.replicas.get(self.i, self.ref, "compute_logprobs")
+            finally:
+                with self.pool._lock:
+                    self.pool._scoring.discard(self.i)
+                t1 = time.perf_counter()
+                self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
+                self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
+            self.pool.scored += 1
+            self._value = (from_wire(out),)
+        return self._value[0]
