@@ -295,6 +295,9 @@ class PlacementConfig(_Section):
     reference: str = "main"
     critic: str = "main"  # also safe_ppo's cost critic
     reward: str = "main"  # the reward function and reward model (reward.dp workers)
+    # backend=ray: the pool whose bundles hold the rollout replica processes (schedule.rollout_workers of
+    # them, each with its own engine and weights copy); needed by every mode but one-worker sequential.
+    rollout: str | None = None
 
 
 class ActorScale(_Section):
@@ -395,14 +398,14 @@ class Config(_Section):
     @model_validator(mode="after")
     def _schedule_fits(self) -> Config:
         s = self.schedule
-        if s.mode == "sequential" and s.rollout_workers == 1:
-            return self
         what = f"schedule.mode={s.mode}" + (f" with schedule.rollout_workers={s.rollout_workers}"
                                             if s.mode == "sequential" else "")
+        if self.backend != "local" and self.placement.rollout is not None:
+            self._rollout_pool_fits(what)
+        if s.mode == "sequential" and s.rollout_workers == 1:
+            return self
         if self.backend != "local":
-            raise ValueError(f"{what} runs its rollout workers on threads of this process; it needs "
-                             f"backend=local (got backend={self.backend}), or use schedule.mode=sequential "
-                             "schedule.rollout_workers=1")
+            self._rollout_pool_fits(what)
         if self.rollout.backend != "engine":
             raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
                              f"rollout.backend=engine (got {self.rollout.backend})")
@@ -411,23 +414,49 @@ class Config(_Section):
                              f"algorithm.policy_loss=decoupled (got {self.algorithm.policy_loss})")
         return self
 
+    def _rollout_pool_fits(self, what: str) -> None:
+        """backend=ray: the mode's rollout replicas need a pool of their own with a bundle each."""
+        s, name = self.schedule, self.placement.rollout
+        if name is None:
+            why = ("releases rollout replica processes as they run out of work" if s.elastic
+                   else "runs its rollout replicas as processes")
+            raise ValueError(f"{what} {why} on backend=ray and needs a rollout pool: set placement.rollout=NAME "
+                             f"(e.g. placement.rollout=rollout, one bundle per replica), or use "
+                             "schedule.mode=sequential schedule.rollout_workers=1")
+        shared = [r for r, p in self.placement.model_dump().items() if p == name and r != "rollout"]
+        if shared:
+            raise ValueError(f"placement.rollout={name} shares pool {name!r} with {shared[0]}, whose processes cannot "
+                             f"host rollout replicas (each is a process of its own on a bundle of its own); place "
+                             f"them on a pool of their own, e.g. placement.rollout=rollout")
+        pool = self.pools.get(name)
+        if pool is not None and pool.workers_per_node is not None:
+            bundles = pool.nodes * pool.workers_per_node
+            if s.rollout_workers > bundles:
+                raise ValueError(f"schedule.rollout_workers={s.rollout_workers} is larger than pool {name!r}'s "
+                                 f"{bundles} bundles (pools.{name}.nodes x workers_per_node); allowed: at most "
+                                 f"{bundles}, or raise pools.{name}.workers_per_node")
+
     def role_dp(self) -> dict[str, int]:
         """Data-parallel size of every role (reference and critic follow actor.dp unless set; reward.dp does not)."""
         a = self.actor.dp
-        return {"actor": a, "reference": self.reference.dp or a, "critic": self.critic.dp or a,
-                "reward": self.reward.dp}
+        out = {"actor": a, "reference": self.reference.dp or a, "critic": self.critic.dp or a,
+               "reward": self.reward.dp}
+        if self.placement.rollout is not None:  # one replica process per rollout worker
+            out["rollout"] = self.schedule.rollout_workers
+        return out
 
     def resolved_placement(self):
         """The pools and role placement this config asks for (``fuseflow.controller.placement.Placement``)."""
         from fuseflow.controller.placement import resolve_placement
 
-        return resolve_placement(self.pools, self.placement.model_dump(), self.role_dp())
+        placement = {r: p for r, p in self.placement.model_dump().items() if p is not None}
+        return resolve_placement(self.pools, placement, self.role_dp())
 
     @model_validator(mode="after")
     def _placement_fits(self) -> Config:
         dp = self.role_dp()
         if self.backend == "local":
-            wide = [f"{r}.dp={k}" for r, k in dp.items() if k > 1]
+            wide = [f"{r}.dp={k}" for r, k in dp.items() if k > 1 and r != "rollout"]  # rollout: threads here
             if wide:
                 raise ValueError(f"{wide[0]} needs backend=ray: the local backend runs every role once, in this process")
             return self

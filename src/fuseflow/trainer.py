@@ -41,7 +41,14 @@ from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
 from fuseflow.telemetry import MetricsLogger, Tracer
 from fuseflow.workers.actor import ActorWorker, ReferenceWorker
-from fuseflow.workers.build import RoleContext, build_actor, build_critic, build_reference, build_reward
+from fuseflow.workers.build import (
+    RoleContext,
+    build_actor,
+    build_critic,
+    build_reference,
+    build_reward,
+    build_rollout_engine,
+)
 from fuseflow.workers.critic import CriticWorker
 from fuseflow.workers.reward import RewardWorker
 
@@ -86,7 +93,8 @@ class RLTrainer:
         if resume:
             self.tracer.drop_after(self.start_step)
         # schedule.mode: when and where generation, inference and training run; the step below is the same.
-        self.stages = Stages(cfg, Roles(self.actor, self.reference, self.reward, self.critics), self.tokenizer,
+        self.stages = Stages(cfg, Roles(self.actor, self.reference, self.reward, self.critics, self.replicas),
+                             self.tokenizer,
                              self.train_prompts, self.train_ids, self.stream, self.tracer, self.recipe)
         self.strategy = make_strategy(self.stages, self.resumed_from, self.start_step)
 
@@ -115,6 +123,9 @@ class RLTrainer:
             raise ValueError(f"algorithm.name={a.name} needs a task with a cost; task {self.task.name!r} has none")
         # In-process workers reuse the loaded reward model; remote ones load their own from reward.model.
         ctx = RoleContext(cfg, ref_dir, ckpt, self.task, rm if cfg.backend == "local" else None)
+        # backend=ray with placement.rollout: rollout replica processes, each with its own engine and weights
+        # (they start now and load their models while the roles below are built).
+        self.replicas = self.cluster.rollout_replicas(partial(build_rollout_engine, ctx))
         group = self.cluster.group
         self.actor: WorkerGroup = group("actor", ActorWorker, partial(build_actor, ctx))
         self.reference: WorkerGroup = group("reference", ReferenceWorker, partial(build_reference, ctx))

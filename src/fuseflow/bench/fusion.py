@@ -19,13 +19,19 @@ cores), the mean as in samples/s. ``worker_seconds`` is the mean per timed step 
 ``time/rollout_worker_seconds``: the reserved modes hold every rollout worker for the whole step,
 ``elastic`` only while a worker has generation or inference to run (RLHFless's billing).
 With ``repeats > 1`` every mode runs
-that many times in alternating order and reports its (lower) median run. ``speedup_vs_trl`` comes from
+that many times in alternating order and reports its (lower) median run.
+
+``backend="ray"`` runs every mode (``sequential`` included) with ``workers`` rollout replica processes
+on a pool of their own (``placement.rollout``), the roles in one more process; CPU seconds then sum
+the controller's and every worker process's (``/proc``), and ``weight_sync_seconds_per_mb`` is the
+mean over all modes' syncs of the broadcast's seconds per MB sent to each replica. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import tempfile
 import time
@@ -43,28 +49,38 @@ MODES = ("sequential", "fused", "async", "fused+async", "elastic", "fused+elasti
 PPO = ("algorithm.name=ppo", "algorithm.kl_in_reward=true", "trainer.eval_every=1000", "trainer.save_every=1000")
 
 
-def fusion_overrides(mode: str, workers: int, steps: int, quick: bool, extra: list[str] | None = None) -> list[str]:
+# Every mode on replica processes (sequential too); the roles share one process of one CPU slot. Two
+# slots (two torch threads) were tried once: steps of 74-142 s at load 20+ on this shared 2-core
+# machine, against 4-10 s with one slot at load ~15 (docs/ray_rollout.md), so it keeps one.
+RAY = ("backend=ray", "placement.rollout=rollout")
+
+
+def fusion_overrides(mode: str, workers: int, steps: int, quick: bool, extra: list[str] | None = None,
+                     backend: str = "local") -> list[str]:
     """The benchmark's config for one mode: the `sort` bench settings, PPO, the mode and worker count."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if backend not in ("local", "ray"):
+        raise ValueError(f"--backend must be local or ray, got {backend!r}")
     base = QUICK_OVERRIDES if quick else BENCH_OVERRIDES
     return [*base, *PPO, f"trainer.steps={steps}", f"schedule.mode={mode}", f"schedule.rollout_workers={workers}",
-            *(extra or [])]
+            *(RAY if backend == "ray" else ()), *(extra or [])]
 
 
 def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, extra: list[str] | None = None,
-             log=print) -> dict:
+             log=print, backend: str = "local") -> dict:
     """Train ``steps`` PPO steps in ``mode``; per-step wall times, rewards and busy fractions."""
     from fuseflow.trainer import RLTrainer
 
-    cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra))
+    cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra, backend))
     tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
-    walls, cpus, rewards, busy, migrated, stale, held = [], [], [], [], [], [], []
+    walls, cpus, rewards, busy, migrated, stale, held, syncs = [], [], [], [], [], [], [], []
+    clock = _cpu_clock(tr)
     try:
-        last, last_cpu = time.perf_counter(), time.process_time()
+        last, last_cpu = time.perf_counter(), clock()
         for step in range(1, steps + 1):
             m = tr.step(step)
-            now, now_cpu = time.perf_counter(), time.process_time()
+            now, now_cpu = time.perf_counter(), clock()
             walls.append(now - last)
             cpus.append(now_cpu - last_cpu)
             last, last_cpu = now, now_cpu
@@ -73,6 +89,8 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             migrated.append(m.get("schedule/migrated_samples", 0.0))
             stale.append(m.get("async/staleness_mean", 0.0))
             held.append(m["time/rollout_worker_seconds"])
+            if m.get("rollout/weight_sync_mb"):
+                syncs.append(m["time/rollout_weight_sync"] / m["rollout/weight_sync_mb"])
             log(f"{mode} step {step}: {walls[-1]:.1f}s reward {rewards[-1]:.3f} busy {busy[-1]:.2f}")
     finally:
         tr.close()
@@ -84,7 +102,28 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * available_cores()),
             "worker_seconds": statistics.mean(held[1:] if len(held) > 1 else held),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
-            "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n}
+            "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n,
+            "weight_sync_seconds_per_mb_per_step": syncs}
+
+
+def _cpu_clock(trainer):
+    """CPU seconds so far of the run's processes: this one, plus (on Ray) every role and replica process."""
+    pids = [p for ps in getattr(trainer.cluster, "pids", {}).values() for p in ps]
+    if trainer.replicas is not None:
+        pids += trainer.replicas.pids
+    tick = os.sysconf("SC_CLK_TCK") if pids else 1
+
+    def clock() -> float:
+        total = time.process_time()
+        for pid in pids:  # utime + stime (fields 14 and 15 of /proc/PID/stat), in clock ticks
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    return clock
 
 
 def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
@@ -127,7 +166,7 @@ def plot_reward_vs_time(modes: dict[str, dict], out: Path) -> Path:
 
 def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tuple[str, ...] = MODES,
                trl_steps: int = 0, threads: int = 1, plot: Path | None = None, work_dir: Path | None = None,
-               extra: list[str] | None = None, log=print, repeats: int = 1) -> dict:
+               extra: list[str] | None = None, log=print, repeats: int = 1, backend: str = "local") -> dict:
     """Every mode in turn (``repeats`` times, median run), then (``trl_steps > 0``) GRPO vs TRL with
     fuseflow in the fastest mode."""
     if steps < 2:
@@ -137,14 +176,27 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     if work_dir is None:
         with tempfile.TemporaryDirectory(prefix="fuseflow-bench-fusion-") as scratch:
             return run_fusion(steps, workers, quick, modes, trl_steps, threads, plot, Path(scratch), extra, log,
-                              repeats)
+                              repeats, backend)
+    fusion_overrides(modes[0], workers, steps, quick, extra, backend)  # checks the backend before any work
+    if backend == "ray":
+        import ray
+
+        if not ray.is_initialized():  # one local cluster for every mode's run (each would start its own)
+            from fuseflow.controller.ray_backend import start_local_ray
+
+            start_local_ray(max(os.cpu_count() or 1, workers + 1), env_vars={"OMP_NUM_THREADS": str(threads)})
+            try:
+                return run_fusion(steps, workers, quick, modes, trl_steps, threads, plot, work_dir, extra, log,
+                                  repeats, backend)
+            finally:
+                ray.shutdown()
     torch.set_num_threads(threads)
     # Repeats alternate the mode order (ABBA...), so load that drifts during a run on a shared
     # machine favours no mode; each mode reports its median run and every run's samples/s.
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(repeats):
         for m in (modes if rep % 2 == 0 else modes[::-1]):
-            runs[m].append(run_mode(m, workers, steps, quick, Path(work_dir) / f"rep{rep}", extra, log))
+            runs[m].append(run_mode(m, workers, steps, quick, Path(work_dir) / f"rep{rep}", extra, log, backend))
     results = {}
     for m, rs in runs.items():
         ordered = sorted(rs, key=lambda r: r["samples_per_second"])
@@ -159,12 +211,15 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         for m, r in results.items():
             r["speedup_vs_sequential_runs"] = [round(x["samples_per_second"] / b["samples_per_second"], 3)
                                                for x, b in zip(runs[m], runs["sequential"], strict=True)]
-    out = {"benchmark": "ppo_sort_fusion", "device": "cpu", "torch_threads": threads,
+    out = {"benchmark": "ppo_sort_fusion", "backend": backend, "device": "cpu", "torch_threads": threads,
            "cpu": cpu_name(), "torch": torch.__version__,
            "settings": {"steps": steps, "warmup_steps_excluded": 1, "rollout_workers": workers, "quick": quick,
                         "repeats": repeats,
-                        "overrides": fusion_overrides("sequential", workers, steps, quick, extra)},
+                        "overrides": fusion_overrides("sequential", workers, steps, quick, extra, backend)},
            "modes": results, "cores": available_cores()}
+    syncs = [x for rs in runs.values() for r in rs for x in r["weight_sync_seconds_per_mb_per_step"]]
+    if syncs:
+        out["weight_sync_seconds_per_mb"] = statistics.mean(syncs)
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
@@ -191,7 +246,9 @@ def register(bench_app) -> None:
                      trl_steps: int = typer.Option(4, "--trl-steps", help="GRPO steps vs TRL (0 skips TRL)."),
                      mode: list[str] = typer.Option(None, "--mode", help="Only these modes (repeatable)."),
                      repeats: int = typer.Option(1, "--repeats", help="Runs per mode, order alternating; median."),
-                     quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
+                     quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks)."),
+                     backend: str = typer.Option("local", "--backend",
+                                                 help="local (worker threads) or ray (replica processes).")
                      ) -> None:
         """PPO on `sort` in every execution mode; samples/s and worker-seconds per mode; GRPO vs TRL."""
         from fuseflow.config import ConfigError
@@ -202,7 +259,7 @@ def register(bench_app) -> None:
             if workers < 1 or trl_steps < 0:
                 raise ValueError(f"--workers must be >= 1 and --trl-steps >= 0, got {workers} and {trl_steps}")
             result = run_fusion(steps, workers, quick, tuple(mode or MODES), trl_steps, 1, plot, None, overrides,
-                                console.print, repeats)
+                                console.print, repeats, backend)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
             fail(str(e))
         for name, r in result["modes"].items():
@@ -213,6 +270,8 @@ def register(bench_app) -> None:
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
+        if "weight_sync_seconds_per_mb" in result:
+            console.print(f"weight sync {result['weight_sync_seconds_per_mb']:.4f} s/MB per replica", soft_wrap=True)
         if "speedup_vs_trl" in result:
             console.print(f"speedup_vs_trl {result['speedup_vs_trl']:.2f}x", soft_wrap=True)
         write_result(out, result)

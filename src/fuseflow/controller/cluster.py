@@ -23,6 +23,8 @@ class Cluster(Protocol):
     def group(self, role: str, cls: type, builder: Callable[[DistInfo], object],
               placed_as: str | None = None) -> WorkerGroup: ...
 
+    def rollout_replicas(self, builder: Callable[[], object]): ...
+
     def shutdown(self) -> None: ...
 
 
@@ -38,6 +40,10 @@ class LocalCluster:
         if hasattr(worker, "attach"):
             worker.attach(info)
         return LocalGroup(role, worker)
+
+    def rollout_replicas(self, builder: Callable[[], object]) -> None:
+        """None: locally the pooled strategies run rollout workers on threads over the actor's model."""
+        return None
 
     def shutdown(self) -> None:
         pass

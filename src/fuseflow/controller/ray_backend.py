@@ -141,9 +141,17 @@ class RayCluster:
         self.run_name = run_name or uuid.uuid4().hex[:8]
         self.hosts: dict[str, list[Any]] = {}
         self.pgs: list[Any] = []
+        self.collective_timeout_s = collective_timeout_s
+        self.replicas: list[Any] = []  # rollout replica actors (``rollout_replicas``)
+        # The rollout pool's bundles hold replica processes (``RolloutReplica``), not role hosts.
+        rollout = placement.role_pool.get("rollout")
+        self.rollout_pgs: list[Any] = []
         try:
             for pool in placement.pools.values():
-                self.hosts[pool.name] = self._start_pool(pool)
+                if pool.name == rollout:
+                    self.rollout_pgs = self._reserve(pool)
+                else:
+                    self.hosts[pool.name] = self._start_pool(pool)
             waits = [(f"pool {n} rank {r}", h.ready.remote()) for n, hs in self.hosts.items() for r, h in enumerate(hs)]
             _wait_start(waits, start_timeout_s, "start")
             self.pids = {n: [ray.get(h.ready.remote()) for h in hs] for n, hs in self.hosts.items()}
@@ -159,8 +167,21 @@ class RayCluster:
 
     def _start_pool(self, pool: PoolPlan) -> list[Any]:
         import ray
+
+        pgs = self._reserve(pool)
+        remote = ray.remote(WorkerHost)
+        hosts = []
+        for rank in range(pool.size):
+            hosts.append(remote.options(
+                num_cpus=pool.cpus_per_worker, num_gpus=pool.gpus_per_worker, scheduling_strategy=_bundle(pgs, pool, rank),
+                name=f"fuseflow-{self.run_name}-{pool.name}-{rank}", max_restarts=0,
+            ).remote(pool.name, rank, pool.size, max(1, int(pool.cpus_per_worker))))
+        return hosts
+
+    def _reserve(self, pool: PoolPlan) -> list[Any]:
+        """Placement groups holding ``pool``'s bundles (one per node), ready within the start timeout."""
+        import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {"CPU": pool.cpus_per_worker} | ({"GPU": pool.gpus_per_worker} if pool.gpus_per_worker else {})
         if self.owns_ray:  # a local cluster never grows: fail now rather than after the timeout
@@ -179,16 +200,29 @@ class RayCluster:
             raise ClusterError(f"pool {pool.name}: {pool.nodes} x {pool.workers_per_node} workers of {bundle} could "
                                f"not be placed within ray.start_timeout_s={self.start_timeout_s:g}s (free now: {have}); "
                                f"lower pools.{pool.name}.cpus_per_worker / gpus_per_worker or add nodes")
-        remote = ray.remote(WorkerHost)
-        hosts = []
-        for rank in range(pool.size):
-            node, slot = divmod(rank, pool.workers_per_node)
-            strategy = PlacementGroupSchedulingStrategy(pgs[node], placement_group_bundle_index=slot)
-            hosts.append(remote.options(
-                num_cpus=pool.cpus_per_worker, num_gpus=pool.gpus_per_worker, scheduling_strategy=strategy,
-                name=f"fuseflow-{self.run_name}-{pool.name}-{rank}", max_restarts=0,
-            ).remote(pool.name, rank, pool.size, max(1, int(pool.cpus_per_worker))))
-        return hosts
+        return pgs
+
+    def rollout_replicas(self, builder: Callable[[], Any]):
+        """Start one ``RolloutReplica`` per bundle of the rollout pool (``placement.rollout``); None without one.
+
+        ``builder()`` runs in each replica process and returns its engine (its own model copy).
+        """
+        import ray
+
+        from .replica import ReplicaSet, RolloutReplica
+
+        name = self.placement.role_pool.get("rollout")
+        if name is None:
+            return None
+        pool, n = self.placement.pools[name], self.placement.dp["rollout"]
+        # Threaded: a stream decodes while abort/add/pending calls come in (migration).
+        remote = ray.remote(RolloutReplica)
+        handles = [remote.options(num_cpus=pool.cpus_per_worker, num_gpus=pool.gpus_per_worker,
+                                  scheduling_strategy=_bundle(self.rollout_pgs, pool, i), max_concurrency=8,
+                                  name=f"fuseflow-{self.run_name}-{name}-{i}", max_restarts=0,
+                                  ).remote(builder, i, max(1, int(pool.cpus_per_worker))) for i in range(n)]
+        self.replicas += handles
+        return ReplicaSet(handles, name, self.collective_timeout_s, self.start_timeout_s)
 
     def group(self, role: str, cls: type, builder: Callable, placed_as: str | None = None) -> RayGroup:
         """Build ``role`` on the first ``dp`` hosts of its pool and return its group.
@@ -215,9 +249,8 @@ class RayCluster:
 
         if not ray.is_initialized():
             return
-        for hosts in self.hosts.values():
-            for h in hosts:
-                ray.kill(h, no_restart=True)
+        for h in [h for hosts in self.hosts.values() for h in hosts] + self.replicas:
+            ray.kill(h, no_restart=True)
         from ray.util.placement_group import remove_placement_group
 
         for pg in self.pgs:
@@ -225,10 +258,18 @@ class RayCluster:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001 - already gone with a dead cluster; nothing left to free
                 pass
-        self.hosts, self.pgs = {}, []
+        self.hosts, self.pgs, self.replicas = {}, [], []
         if self.owns_ray:
             ray.shutdown()
             self.owns_ray = False
+
+
+def _bundle(pgs: list[Any], pool: PoolPlan, rank: int) -> Any:
+    """The scheduling strategy that puts worker ``rank`` of ``pool`` on its own bundle."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    node, slot = divmod(rank, pool.workers_per_node)
+    return PlacementGroupSchedulingStrategy(pgs[node], placement_group_bundle_index=slot)
 
 
 class RayGroup(WorkerGroup):

@@ -72,14 +72,54 @@ def broadcast_parameters(params: Iterable[torch.Tensor], src: int = 0, group=Non
     """
     import torch.distributed as dist
 
+    return _broadcast_buckets(params, lambda flat: dist.broadcast(flat, src=src, group=group),
+                              dist.get_rank(group) == src, bucket_bytes)
+
+
+@torch.no_grad()
+def _broadcast_buckets(params: Iterable[torch.Tensor], send, is_src: bool, bucket_bytes: int) -> int:
     params = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
     sent = 0
     for idx in buckets(params, bucket_bytes):
         chunk = [params[i] for i in idx]
         flat = _flatten_dense_tensors(chunk)
-        dist.broadcast(flat, src=src, group=group)
-        if dist.get_rank(group) != src:
+        send(flat)
+        if not is_src:
             for p, new in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
                 p.copy_(new)
         sent += flat.numel() * flat.element_size()
     return sent
+
+
+class WeightGroup:
+    """A process group of its own between one weight source (rank 0) and the rollout replicas.
+
+    Why not the default group: the trainer's rank 0 already belongs to its pool's group (or to
+    none), and ``new_group`` would need every rank of that world to take part. A group built on its
+    own ``TCPStore`` (rank 0 serves it, on a port picked free at run time) joins exactly the source
+    and the replicas; gloo on CPU, NCCL on GPU. ``timeout_s`` bounds the rendezvous and every
+    broadcast, so a replica that is gone fails the sync instead of hanging it.
+    """
+
+    def __init__(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float, device: str = "cpu"):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+        if device == "cuda":  # written for GPUs, not run on this CPU-only machine
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+
+    def broadcast(self, params: Iterable[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """Rank 0's ``params`` onto every rank (all ranks call it with matching lists); bytes per receiver."""
+        return _broadcast_buckets(params, lambda flat: self.pg.broadcast(flat, 0).wait(), self.rank == 0,
+                                  bucket_bytes)
+
+
+def signature(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter in broadcast order: both ends of a sync must agree on it."""
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]

@@ -5,11 +5,14 @@ mode (``schedule.mode``) only changes when and where each piece runs.
 
 - ``stages``: what every mode computes (seeded requests, reward, inference calls, DAPO's
   dynamic sampling, ReMax's greedy baseline, batch assembly), holding the worker groups.
-- ``modes``: the strategies (``Sequential``; ``Pooled`` and its ``Fused``, ``Async``,
-  ``FusedAsync``, ``Elastic``, ``FusedElastic``) behind one small interface; see its docstring.
-- ``pool``: the mechanism the pooled strategies drive: rollout workers on threads, each with
-  its own engine, that decode, take inference tasks when idle, migrate samples and (elastic)
-  are released when they run out of work.
+- ``base``: the interface (``Strategy``) and ``Sequential``; ``modes``: the pooled strategies
+  (``Pooled`` and its ``Fused``, ``Async``, ``FusedAsync``, ``Elastic``, ``FusedElastic``); see its docstring.
+- ``pool``: the mechanism the pooled strategies drive on the local backend: rollout workers on
+  threads, each with its own engine, that decode, take inference tasks when idle, migrate samples
+  and (elastic) are released when they run out of work.
+- ``ray_pool``: the same interface over rollout replica processes on Ray
+  (``fuseflow.controller.replica``): streamed samples, migration of ``PartialState`` between
+  processes, weight broadcast from the actor's rank 0.
 - ``staleness``: the bounded-staleness admission and checks of asynchronous PPO.
 - ``pending``: an async prefetch's samples in a checkpoint, so a resume is exact.
 

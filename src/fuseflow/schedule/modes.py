@@ -24,6 +24,8 @@ never the trainer, so the algorithm program (``RLTrainer.step``) is the same in 
   time each replica is held.
 - ``fused+async``, ``fused+elastic``: both.
 
+Every mode runs on either pool: threads of this process (``pool``, backend=local) or replica
+processes on Ray (``ray_pool``, backend=ray with ``placement.rollout``); the strategy code is the same.
 The reserved modes hold all ``rollout_workers`` for the whole step (as a reserved device set is
 billed); ``time/rollout_worker_seconds`` reports that, and ``elastic`` reports the held time.
 Sample tokens never depend on the mode (per-request seeds, exported sampler state on
@@ -32,7 +34,6 @@ migration); inference values differ only by float summation order (micro-batch w
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -46,91 +47,27 @@ import torch
 from fuseflow.controller.group import Future as GroupFuture
 from fuseflow.data.batch import Batch
 from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
-from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate
+from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate, trigger_count
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import EngineConfig
 from fuseflow.telemetry.gantt import parse_trace, trace_step_metrics
 
+from .base import SPAN_OF, Sequential, Strategy, available_cores, update_threads
 from .elastic import ReplicaChooser
 from .pending import load_pending, save_pending
 from .pool import RolloutPool, TaskQueue
+from .ray_pool import RayRolloutPool
 from .stages import FROZEN, Generated, Stages, field_of, overlap
 from .staleness import check_staleness, min_version_for, staleness_metrics
 
 WAIT_S = 600.0  # longest wait for one sample before the step is declared stuck
-SPAN_OF = {"old_logprobs": "old_logprob", "ref_logprobs": "reference", "values": "values",
-           "cost_values": "cost_values"}  # trace span of each inference field (sequential order)
-
-
-class Strategy:
-    """The interface of an execution mode. Subclasses implement ``make_experience``."""
-
-    replicas = 1  # rollout replicas held (reserved) for the whole step
-
-    def __init__(self, stages: Stages):
-        self.stages, self.s, self.tracer = stages, stages.cfg.schedule, stages.tracer
-        self._mark: float | None = None  # when the step being billed began
-
-    def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """Samples for ``step`` with rewards, old/reference log-probs and values, and the mode's metrics."""
-        raise NotImplementedError
-
-    def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
-        """Run the step's updates (name -> starter of a group call); their results by name."""
-        return overlap(self.tracer, step, updates)
-
-    def step_metrics(self, step: int) -> dict[str, float]:
-        """Per-step metrics of the mode; every mode reports ``time/rollout_worker_seconds``."""
-        now = time.perf_counter()
-        held = self.replicas * (now - (self._mark if self._mark is not None else now))
-        self._mark = now
-        return {"time/rollout_worker_seconds": held}
-
-    def save(self, ckpt_dir) -> None:
-        """Checkpoint writer for the mode's own state (none by default)."""
-
-    def cursor(self) -> int:
-        """Prompts consumed by finished steps (the data state of a checkpoint)."""
-        return self.stages.stream.cursor
-
-    def finish_prefetch(self) -> None:
-        """Wait for background generation of the next step, if the mode runs one (async)."""
-
-    def close(self) -> None:
-        """Release what the mode holds."""
-
-    def _begin(self) -> None:
-        if self._mark is None:
-            self._mark = time.perf_counter()
-
-
-class Sequential(Strategy):
-    """verl's order with one rollout worker: generate, score, then every inference stage, through the groups."""
-
-    def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
-        self._begin()
-        st = self.stages
-        gen, metrics = st.collect(step, self._draw)
-        batch, more = st.assemble(step, gen)
-        calls = st.inference_calls(batch, st.roles.inference_stages)
-        out = overlap(self.tracer, step, {SPAN_OF[f]: start for f, start in calls.items()})
-        for f in calls:
-            batch[f] = out[SPAN_OF[f]]
-        return batch, metrics | more
-
-    def _draw(self, step: int, rnd: int, n: int, offset: int) -> Generated:
-        st, span = self.stages, self.tracer.span
-        requests, prompts = st.requests_for(step, rnd, n, offset)
-        prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
-        with span("generate", step):
-            gen = Generated.of(st.roles.actor.generate(requests), prompt_of, st.tokenizer)
-        with span("reward", step):
-            gen.merge([st.infer(gen.samples, ("reward",), prompt_of)])
-        return gen
+__all__ = ["MODES", "SPAN_OF", "Sequential", "Strategy", "Pooled", "available_cores", "make_strategy",
+           "update_threads"]
 
 
 class Pooled(Strategy):
-    """Rollout workers on threads of this process (``schedule.pool``) that generate and run inference.
+    """Rollout workers that generate and run inference: threads of this process (``schedule.pool``) on the
+    local backend, replica processes on Ray (``schedule.ray_pool``, when the roles carry a ``rollout``).
 
     Subclasses switch on ``fused`` (streamed inference, migration, side-by-side updates),
     ``asynchronous`` (generation one step ahead on a weight copy) and ``elastic``.
@@ -142,10 +79,13 @@ class Pooled(Strategy):
         super().__init__(stages)
         cfg, s = stages.cfg, self.s
         r = cfg.rollout
-        # Async decodes while the actor trains, so the rollout needs weights of its own.
-        model = stages.roles.actor.rollout_model(copy=self.asynchronous)
-        self.pool = RolloutPool(model, s.rollout_workers, EngineConfig(r.max_num_seqs, r.kv_budget_tokens),
-                                stages.tokenizer, self.tracer, first_track=1)
+        if stages.roles.rollout is not None:  # replica processes with weights of their own
+            self.pool: RolloutPool | RayRolloutPool = RayRolloutPool(stages.roles.rollout, stages.roles.actor,
+                                                                     self.tracer, first_track=1)
+        else:  # async decodes while the actor trains, so the rollout needs weights of its own
+            model = stages.roles.actor.rollout_model(copy=self.asynchronous)
+            self.pool = RolloutPool(model, s.rollout_workers, EngineConfig(r.max_num_seqs, r.kv_budget_tokens),
+                                    stages.tokenizer, self.tracer, first_track=1)
         self.replicas = 0 if self.elastic else len(self.pool)
         self.infer_track = s.rollout_workers + 1
         self.tracer.name_track(self.infer_track, "inference")
@@ -156,6 +96,8 @@ class Pooled(Strategy):
         self.train_tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
+        self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
+        self._scored = 0
         if resumed_from is not None:
             self._restore(resumed_from)
 
@@ -196,15 +138,13 @@ class Pooled(Strategy):
         return self._generate(step, drawn, stream=self.names if self.fused else (), after=after, foreground=True)
 
     def _set_weights(self, version: int) -> None:
-        """Give the (idle) rollout the actor's weights at ``version``; async copies them, otherwise they are shared."""
-        if version == self.pool.engines[0].policy_version and self.version == version:
+        """Give the (idle) rollout the actor's weights at ``version``: in-process they are shared (async
+        copies them); replica processes receive a broadcast from the actor's rank 0."""
+        if version == self.pool.policy_version and self.version == version:
             return
-        if self.asynchronous:
-            with torch.no_grad():
-                src = self.stages.roles.actor.rollout_weights()
-                for k, v in self.pool.model.state_dict().items():
-                    v.copy_(src[k])
-        self.pool.update_weights(version)
+        t0 = time.perf_counter()
+        sent = self.pool.set_weights(version, self.stages.roles.actor.rollout_weights if self.asynchronous else None)
+        self._sync = {"time/rollout_weight_sync": time.perf_counter() - t0, "rollout/weight_sync_mb": sent / 2**20}
         self.version = version
 
     def finish_prefetch(self) -> None:
@@ -249,16 +189,18 @@ class Pooled(Strategy):
         # run under SCHED_IDLE so that training keeps its core (measured in docs/benchmarks.md).
         self.pool.run(step, shards, lambda w, smp: arrived.put((w, smp)), tasks, background=not foreground,
                       release_when_idle=self.elastic)
-        # With one rollout worker the controller thread is the second core's inference worker.
-        helps = foreground and len(self.pool) == 1
+        # With one rollout worker thread the controller thread is the second core's inference worker.
+        helps = foreground and len(self.pool) == 1 and self.pool.threaded
         batcher: TokenBudgetBatcher[Sample] = TokenBudgetBatcher(self.s.token_budget)
         results: list[Future] = []
         done: list[Sample] = []
         migrated = 0
         threshold = self._threshold()
 
+        old_logprob = self._replica_logprobs(step)
+
         def submit(group: list[Sample], names: tuple[str, ...]) -> None:
-            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of)))
+            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of, old_logprob)))
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
 
@@ -285,7 +227,7 @@ class Pooled(Strategy):
                     submit(closed, stream)
                 elif tasks.empty() and len(batcher) and self._idle_live():
                     submit(batcher.take(), stream)  # a worker would sit idle: hand it what there is
-            if threshold is not None and not migrated:
+            if threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold):
                 pending, budgets = self.pool.pending(), self.pool.budgets()
                 if should_migrate(pending, budgets, n, threshold):
                     migrated = self.pool.migrate(plan_migration(pending, budgets), step)
@@ -316,8 +258,8 @@ class Pooled(Strategy):
         if not missing:
             return
         prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
-        tasks = TaskQueue()
-        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of))
+        tasks, old_logprob = TaskQueue(), self._replica_logprobs(step)
+        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob))
                    for g in _by_length(gen.samples, self.s.token_budget)]
         tasks.closed.set()
         self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks,
@@ -335,9 +277,16 @@ class Pooled(Strategy):
             self.tracer.record("inference", step, self.infer_track, t0, time.perf_counter())
         return ran
 
+    def _replica_logprobs(self, step: int) -> Callable | None:
+        """Replica processes may compute step ``step``'s old log-probs while they hold the weights the
+        actor has now (version ``step - 1``); None on threads (they run the actor's call themselves)."""
+        if self.pool.threaded or self.pool.policy_version != step - 1:
+            return None
+        return self.pool.logprobs_future
+
     def _idle_live(self) -> int:
-        """Held workers whose engine has nothing to decode (they take inference tasks)."""
-        return sum(1 for i in list(self.pool.live) if not self.pool.engines[i].has_unfinished())
+        """Workers that would take an inference task now (threads: held ones with nothing to decode)."""
+        return self.pool.idle_live()
 
     def _threshold(self) -> float | None:
         """Migration threshold for this step, or None when there is nothing to migrate between."""
@@ -410,7 +359,11 @@ class Pooled(Strategy):
     def step_metrics(self, step: int) -> dict[str, float]:
         """Busy fraction per worker track, long-tail seconds, worker-seconds (and elastic's choice)."""
         mark = self._mark
-        out = super().step_metrics(step)
+        out = super().step_metrics(step) | self._sync
+        self._sync = {}
+        if not self.pool.threaded:  # micro-batches whose old log-probs a free replica process computed
+            out["schedule/replica_logprob_batches"] = float(self.pool.scored - self._scored)
+            self._scored = self.pool.scored
         if self.elastic:  # held time of the threads that ended since the step began (clipped to it)
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
             self.pool.held.clear()
@@ -487,19 +440,9 @@ MODES: dict[str, type[Pooled]] = {"sequential": Pooled, "fused": Fused, "async":
 def make_strategy(stages: Stages, resumed_from: Path | None = None, start_step: int = 0) -> Strategy:
     """The strategy for ``schedule``: ``Sequential`` for one rollout worker, else the mode's pooled strategy."""
     s = stages.cfg.schedule
-    if s.mode == "sequential" and s.rollout_workers == 1:
+    if s.mode == "sequential" and s.rollout_workers == 1 and stages.roles.rollout is None:
         return Sequential(stages)
     return MODES[s.mode](stages, resumed_from, start_step)
-
-
-def update_threads(per_worker: int, workers: int) -> int:
-    """Intra-op threads for an update that takes the idle workers' cores: theirs, never more than the machine's."""
-    return min(per_worker * workers, available_cores())
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _by_length(samples: list[Sample], budget: int) -> list[list[Sample]]:

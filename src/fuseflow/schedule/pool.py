@@ -20,9 +20,7 @@ as two processes; forward+backward alone on 32 x 100 tokens reached 1.95x as two
 
 from __future__ import annotations
 
-import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -31,31 +29,12 @@ from concurrent.futures import Future
 
 import torch
 
+from fuseflow.controller.priority import set_background
 from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import Engine, EngineConfig
 
 POLL_S = 0.002  # how long an idle worker waits for a task before looking at its engine again
-
-
-def set_background(tid: int, background: bool) -> bool:
-    """Move one thread to ``SCHED_IDLE`` (runs only on a core nothing else wants) or back; False where impossible.
-
-    Why: async prefetch decodes beside training, the critical path. Measured per thread
-    (``/proc/self/task/TID/schedstat``), training then spent 0.56-1.06 s of a 2.4-3.5 s update waiting
-    in the run queue behind the rollout threads; nice 10 still left 0.2-0.6 s, SCHED_IDLE ~0.01 s.
-    Linux schedules threads as tasks, so this is per thread; other platforms keep one priority.
-    Entering SCHED_IDLE needs no privilege; leaving it may (then the thread keeps it until it
-    ends, which pool threads do at the end of each step's generation).
-    """
-    if sys.platform != "linux" or not hasattr(os, "SCHED_IDLE"):
-        return False
-    policy = os.SCHED_IDLE if background else os.SCHED_OTHER
-    try:
-        os.sched_setscheduler(tid, policy, os.sched_param(0))
-    except (PermissionError, ProcessLookupError, OSError):
-        return False
-    return True
 
 
 class TaskQueue:
@@ -72,15 +51,18 @@ class TaskQueue:
 
     def run_one(self, timeout: float = 0.0) -> bool:
         """Run one pending task on this thread; False when none came within ``timeout``."""
-        try:
-            fn, fut = self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
-        except queue.Empty:
+        task = self.take(timeout)
+        if task is None:
             return False
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # handed to whoever waits on the future
-            fut.set_exception(e)
+        run_task(task)
         return True
+
+    def take(self, timeout: float = 0.0) -> tuple[Callable[[], object], Future] | None:
+        """The next pending task (``run_task`` runs it), or None when none came within ``timeout``."""
+        try:
+            return self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
 
     def empty(self) -> bool:
         return self._q.empty()
@@ -88,6 +70,15 @@ class TaskQueue:
     def pending(self) -> int:
         """Tasks waiting for a thread (approximate while threads take them)."""
         return self._q.qsize()
+
+
+def run_task(task: tuple[Callable[[], object], Future]) -> None:
+    """Run one task taken from a ``TaskQueue``; its result or error goes to its future."""
+    fn, fut = task
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # handed to whoever waits on the future
+        fut.set_exception(e)
 
 
 class RolloutPool:
@@ -122,10 +113,34 @@ class RolloutPool:
     def __len__(self) -> int:
         return len(self.engines)
 
+    threaded = True  # workers are threads of the controller (the Ray pool's are processes)
+
     def update_weights(self, version: int) -> None:
         """The weights changed in place (or were copied in): stamp the version, drop stale prefix KV."""
         for e in self.engines:
             e.update_weights(version)
+
+    @property
+    def policy_version(self) -> int:
+        """The weights' version the engines hold."""
+        return self.engines[0].policy_version
+
+    def set_weights(self, version: int, source: Callable[[], dict] | None = None) -> int:
+        """Move the engines to ``version``: shared weights need only the stamp; a copy (async) takes
+        ``source()``'s tensors in place. Returns the bytes copied."""
+        copied = 0
+        if source is not None:
+            with torch.no_grad():
+                src = source()
+                for k, v in self.model.state_dict().items():
+                    v.copy_(src[k])
+                    copied += v.numel() * v.element_size()
+        self.update_weights(version)
+        return copied
+
+    def idle_live(self) -> int:
+        """Held workers whose engine has nothing to decode (they take inference tasks)."""
+        return sum(1 for i in list(self.live) if not self.engines[i].has_unfinished())
 
     # ------------------------------------------------------------------ one step's generation
     def run(self, step: int, shards: list[list[RolloutRequest]], on_sample: Callable[[int, Sample], None],

@@ -88,6 +88,26 @@ class ReferenceWorker(Worker):
         return self.plain.state_dict()
 
     @register("rank_zero")
+    def weight_signature(self) -> list:
+        """(name, shape, dtype) per parameter in broadcast order (rollout replicas must match it)."""
+        from fuseflow.controller.weight_sync import signature
+
+        return signature(self.plain)
+
+    @register("rank_zero")
+    def join_weight_group(self, addr: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Become rank 0 (the source) of the weight group with the rollout replicas (backend=ray)."""
+        from fuseflow.controller.weight_sync import WeightGroup
+
+        self.weight_group = WeightGroup(addr, port, 0, world_size, timeout_s, self.device.type)
+
+    @register("rank_zero")
+    def broadcast_weights(self) -> int:
+        """Send the current (gathered) weights to the rollout replicas: flat buckets, one broadcast each;
+        returns the bytes each replica received."""
+        return self.weight_group.broadcast(list(self.plain.parameters()))
+
+    @register("rank_zero")
     def model_config(self) -> dict:
         """The model's Hugging Face config (what ``config.json`` of its checkpoint holds)."""
         return self.plain.config.to_hf_dict()

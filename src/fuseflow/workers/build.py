@@ -124,6 +124,24 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     return worker
 
 
+def build_rollout_engine(ctx: RoleContext):
+    """A rollout replica's engine (backend=ray) and a scorer over the same model: its own copy of the
+    policy, built as the actor's is (same checkpoint, same LoRA adapters), so the weight sync's
+    parameter lists match. The scorer is the actor's log-prob code (``ReferenceWorker.compute_logprobs``):
+    a replica with nothing to decode computes old log-probs with it."""
+    from fuseflow.rollout.engine import Engine, EngineConfig
+
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    device, dtype = resolve_device(cfg.device)
+    model = _policy(ctx, device, DistInfo()).eval().requires_grad_(False)
+    _FROZEN_BASES.clear()  # no reference is built in a replica process
+    engine = Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
+                    tokenizer=run_tokenizer(cfg))
+    scorer = ReferenceWorker(model, device, dtype, r.temperature)
+    scorer.token_budget = cfg.schedule.token_budget
+    return engine, scorer
+
+
 def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)

@@ -1,0 +1,255 @@
+"""Rollout replicas on Ray behind the same interface as the threaded ``RolloutPool``.
+
+The pooled strategies (``fuseflow.schedule.modes``) call ``run``, ``migrate``, ``pending``,
+``join``, ``set_weights`` ... and cannot tell which pool they drive. Here each worker is a
+replica process (``fuseflow.controller.replica``) with its own engine and weights copy:
+
+- ``run`` starts one Ray streaming generator per replica with a shard; a controller thread per
+  stream blocks on its next sample (no polling) and hands it on as it arrives. A stream ends
+  when its engine runs dry: the replica is then released (elastic bills held time per stream).
+- Inference tasks (``TaskQueue``) run on a few controller threads that only wait on the
+  inference groups' Ray futures; the models live in the inference roles' processes, so a micro-batch
+  goes out the moment it fills, whatever the replicas are doing. A replica with nothing to decode
+  takes the one stage its model can run, the old log-probs (``logprobs_future``), while its
+  weights are the actor's; the other stages need models only the roles' processes hold.
+- ``migrate`` aborts samples on their source replica and adds the exported ``PartialState`` to
+  the target over Ray, starting a stream there if none runs.
+- ``set_weights`` broadcasts the actor's weights from its rank-0 process (``ReplicaSet.sync``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from fuseflow.controller.dispatch import from_wire, to_wire
+from fuseflow.controller.group import Future
+from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
+from fuseflow.rollout.base import RolloutRequest, Sample
+
+from .pool import TaskQueue, run_task
+
+DISPATCHERS = 2  # controller threads that carry inference tasks to the inference groups
+TAKE_S = 0.05  # how long an idle dispatcher blocks on the task queue before it checks for the step's end
+
+
+class RayRolloutPool:
+    """``ReplicaSet`` replicas as pool workers; ``actor`` is the actor group (the weights' source)."""
+
+    threaded = False
+
+    def __init__(self, replicas, actor, tracer, first_track: int):
+        self.replicas, self.actor, self.tracer = replicas, actor, tracer
+        self.config = replicas.config
+        self.tracks = [first_track + i for i in range(len(replicas))]
+        for i, t in enumerate(self.tracks):
+            tracer.name_track(t, f"rollout-{i}")
+        self.migrated = 0
+        self.errors: dict[int, BaseException] = {}
+        self.live: dict[int, int] = {}  # replica -> streams running on it now
+        self.held: list[tuple[int, float, float]] = []  # (replica, start, end) of every stream
+        self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        self.policy_version = replicas.version
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._busy_dispatchers = 0
+        self._scoring: set[int] = set()  # replicas computing log-probs now
+        self.scored = 0  # micro-batches whose old log-probs a replica computed
+        self._dispatchers = 0
+        self._args: tuple | None = None  # (step, on_sample, tasks, background) of the running generation
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    # ------------------------------------------------------------------ weights
+    def set_weights(self, version: int, source: Callable[[], dict] | None = None) -> int:
+        """Every replica takes the actor's current weights as ``version`` (``source`` is for in-process
+        copies); returns the bytes each replica received."""
+        sent, _seconds = self.replicas.sync(version, self.actor)
+        self.policy_version = version
+        return sent
+
+    # ------------------------------------------------------------------ one step's generation
+    def run(self, step: int, shards: list[list[RolloutRequest]], on_sample: Callable[[int, Sample], None],
+            tasks: TaskQueue, background: bool = False, release_when_idle: bool = False) -> None:
+        """Stream each non-empty shard on its replica; dispatchers carry ``tasks`` until it is closed and drained."""
+        if len(shards) != len(self):
+            raise ValueError(f"{len(shards)} request shards for {len(self)} rollout replicas")
+        self._args = (step, on_sample, tasks, background)
+        for i, shard in enumerate(shards):
+            if shard:
+                self._stream(i, shard)
+        for _ in range(DISPATCHERS):
+            self._spawn(self._dispatch, tasks, name="inference-dispatch")
+
+    def serve(self, k: int) -> None:
+        """Nothing to start: inference runs in the inference roles' processes, not on replicas."""
+
+    def busy_workers(self) -> int:
+        """Replicas streaming now."""
+        with self._lock:
+            return len(self.live)
+
+    def idle_live(self) -> int:
+        """Dispatchers waiting for a task, or 0 while one is in flight.
+
+        Why 0 then: the inference roles' processes are busy, so finished samples had better wait
+        and join one larger micro-batch than queue behind it in small ones (a Ray call per stage
+        each); once the flight lands, what gathered meanwhile goes out together.
+        """
+        with self._lock:
+            return 0 if self._busy_dispatchers else self._dispatchers
+
+    def join(self) -> None:
+        """Wait for the step's streams and dispatchers; collect the replicas' measured engine steps."""
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive()]
+                self._threads = threads
+            if not threads:
+                break
+            for t in threads:
+                t.join()
+        if not self.errors:
+            for log in self.replicas.call("step_log"):
+                self.step_log.extend(log)
+
+    def restore_priority(self) -> None:
+        """Training ended: background decode threads in the replicas go back to normal priority."""
+        self.replicas.call("restore_priority")
+
+    def check_alive(self, step: int) -> None:
+        """Raise the first replica failure (a dead process, or its engine's error), naming the replica."""
+        if self.errors:
+            i = min(self.errors)
+            raise self.replicas.failure(i, "stream", self.errors[i])
+
+    def _stream(self, i: int, requests: list) -> None:
+        step, on_sample, tasks, background = self._args
+        gen = self.replicas.handles[i].stream.remote(requests, background)
+        with self._lock:
+            self.live[i] = self.live.get(i, 0) + 1
+        self._spawn(self._consume, i, gen, step, on_sample, tasks, name=f"rollout-{i}")
+
+    def _consume(self, i: int, gen, step: int, on_sample, tasks: TaskQueue) -> None:
+        import ray
+
+        t0 = time.perf_counter()
+        try:
+            with self.tracer.span("generate", step, track=self.tracks[i]):
+                for ref in gen:  # blocks until the replica yields its next finished sample
+                    s = ray.get(ref)
+                    self.tracer.instant("sample_done", step, track=self.tracks[i], uid=s.uid)
+                    on_sample(i, s)
+        except BaseException as e:  # noqa: BLE001 - the controller raises it (check_alive)
+            self.errors[i] = e
+            tasks.closed.set()  # the step is lost: dispatchers finish what they hold and end
+        finally:
+            with self._lock:
+                self.live[i] -= 1
+                if not self.live[i]:
+                    del self.live[i]
+            self.held.append((i, t0, time.perf_counter()))
+
+    def _dispatch(self, tasks: TaskQueue) -> None:
+        with self._lock:
+            self._dispatchers += 1
+        try:
+            while True:
+                task = tasks.take(TAKE_S)
+                if task is None:
+                    if tasks.closed.is_set() and tasks.empty():
+                        return
+                    continue
+                with self._lock:
+                    self._busy_dispatchers += 1
+                try:
+                    run_task(task)
+                finally:
+                    with self._lock:
+                        self._busy_dispatchers -= 1
+        finally:
+            with self._lock:
+                self._dispatchers -= 1
+
+    def _spawn(self, fn, *args, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=name)
+        with self._lock:
+            self._threads.append(t)
+        t.start()
+
+    def logprobs_future(self, batch) -> Future | None:
+        """Old log-probs of ``batch`` started on a replica with nothing to decode or score, or None when
+        every replica is busy (the caller then asks the actor). Only valid while the replicas hold the
+        actor's current weights: the strategy checks the version."""
+        if not self.replicas.scores:
+            return None
+        with self._lock:
+            free = [i for i in range(len(self)) if i not in self.live and i not in self._scoring]
+            if not free:
+                return None
+            i = free[0]
+            self._scoring.add(i)
+        step = self._args[0] if self._args else 0
+        return _Scored(self, i, step, self.replicas.handles[i].compute_logprobs.remote(to_wire(batch)))
+
+    # ------------------------------------------------------------------ migration
+    def pending(self) -> dict[int, list[PendingSample]]:
+        """Unfinished samples per replica (one call to each)."""
+        return dict(enumerate(self.replicas.call("pending")))
+
+    def budgets(self) -> dict[int, WorkerBudget]:
+        return {i: WorkerBudget(self.config.max_num_seqs, kv) for i, kv in enumerate(self.replicas.kv_tokens)}
+
+    def migrate(self, plan: MigrationPlan, step: int) -> int:
+        """Abort the moved samples on their source replicas and resume them on their targets (their
+        ``PartialState`` travels over Ray: tokens, log-probs, sampler state); returns how many moved."""
+        by_src: dict[int, dict[int, int]] = {}
+        for m in plan.moves:
+            by_src.setdefault(m.src, {})[m.uid] = m.dst
+        exported = {src: self.replicas.handles[src].abort.remote(list(dests)) for src, dests in by_src.items()}
+        by_dst: dict[int, list] = {}
+        for src, ref in exported.items():
+            for state in self.replicas.get(src, ref, "abort"):
+                by_dst.setdefault(by_src[src][state.uid], []).append(state)
+        moved = 0
+        for dst, states in by_dst.items():
+            running = self.replicas.get(dst, self.replicas.handles[dst].add.remote(states), "add")
+            if not running:  # its stream ended: start one for the samples it received
+                self._stream(dst, [])
+            moved += len(states)
+        if moved:
+            self.tracer.instant("migrate", step, track=self.tracks[0], moved=moved, freed=list(plan.freed))
+        self.migrated += moved
+        return moved
+
+
+class _Scored(Future):
+    """A replica's log-probs in flight; the replica is free to score again once it is collected."""
+
+    def __init__(self, pool: RayRolloutPool, i: int, step: int, ref):
+        self.pool, self.i, self.step, self.ref = pool, i, step, ref
+        self.refs = [ref]
+        self._value: tuple | None = None
+        self.t0 = time.perf_counter()
+
+    def done(self) -> bool:
+        import ray
+
+        return bool(ray.wait([self.ref], timeout=0)[0])
+
+    def result(self):
+        if self._value is None:
+            try:
+                out, _seconds = self.pool.replicas.get(self.i, self.ref, "compute_logprobs")
+            finally:
+                with self.pool._lock:
+                    self.pool._scoring.discard(self.i)
+                t1 = time.perf_counter()
+                self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
+                self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
+            self.pool.scored += 1
+            self._value = (from_wire(out),)
+        return self._value[0]

@@ -1,0 +1,194 @@
+"""Rollout replicas as Ray processes (issue 17): every mode on backend=ray trains like sequential.
+
+A small local Ray cluster (2 CPU slots): the roles' pool takes half a slot and each of the two
+replica processes half a slot. The baseline is ``sequential`` on Ray through the actor's own
+engine (no replicas), so equal samples also show that the replicas' weights track the trainer's.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fuseflow.bench.trl import QUICK_OVERRIDES
+from fuseflow.config import ConfigError, load_config
+from fuseflow.controller.group import WorkerFailure
+from fuseflow.trainer import RLTrainer
+from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+PER_TOKEN = ("old_logprobs", "ref_logprobs", "values")
+RAY = ["backend=ray", "pools.main.cpus_per_worker=0.5"]
+REPLICAS = ["schedule.rollout_workers=2", "placement.rollout=rollout", "pools.rollout.cpus_per_worker=0.5"]
+
+
+def _config(sft_cache, extra, steps=2):
+    return load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "algorithm.kl_in_reward=true",
+                                f"trainer.steps={steps}", "trainer.eval_every=100", "trainer.save_every=100",
+                                "trainer.eval_size=8", "task.eval_size=8", f"cache_dir={sft_cache}", *RAY, *extra])
+
+
+def _run(tmp_path, sft_cache, extra, steps=2, after=None):
+    """Train ``steps`` steps; every step's batch and metrics (``after(trainer)`` runs before closing)."""
+    tr = RLTrainer(_config(sft_cache, extra, steps), tmp_path / "_".join(extra or ["seq"]).replace("=", "-")
+                   .replace("+", "p").replace("/", "_"), log=lambda *_: None)
+    batches, metrics = [], []
+    inner = tr.make_experience
+
+    def spy(step):
+        batch, m = inner(step)
+        batches.append(batch)
+        return batch, m
+
+    tr.make_experience = spy
+    try:
+        for step in range(1, steps + 1):
+            metrics.append(tr.step(step))
+        if after is not None:
+            after(tr)
+    finally:
+        tr.close()
+    return batches, metrics
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory, sft_cache):
+    return _run(tmp_path_factory.mktemp("seq"), sft_cache, [])
+
+
+def _same_training(a, b):
+    (ba, ma), (bb, mb) = a, b
+    for x, y in zip(ba, bb, strict=True):
+        assert torch.equal(x["input_ids"], y["input_ids"])  # token-identical samples, same order
+        assert torch.equal(x["scores"], y["scores"])
+        mask = x["response_mask"]
+        for k in PER_TOKEN:
+            assert torch.allclose(x[k] * mask, y[k] * mask, atol=1e-5), k
+    for x, y in zip(ma, mb, strict=True):
+        for k, v in x.items():
+            if not k.startswith(("time/", "perf/", "trace/", "schedule/", "async/", "elastic/", "rollout/weight")):
+                assert y[k] == pytest.approx(v, rel=1e-3, abs=1e-5), k
+
+
+def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_path, sft_cache, sequential):
+    synced = {}
+
+    def check_weights(tr):
+        """A sync now (after step 2's update) gives every replica exactly the trainer's weights."""
+        sent = tr.strategy.pool.set_weights(2)
+        want = {k: v.numpy() for k, v in tr.actor.rollout_weights().items()}
+        got = tr.replicas.call("weights")
+        synced["bitwise"] = [all(np.array_equal(w[k], want[k]) for k in w) and len(w) > 0 for w in got]
+        synced["sent"] = sent
+        synced["expected"] = sum(want[k].nbytes for k in got[0])
+        synced["pids"] = set(tr.replicas.pids)
+
+    fused = _run(tmp_path, sft_cache, ["schedule.mode=fused", *REPLICAS, "schedule.migration_threshold=0.9",
+                                       "schedule.token_budget=256"], after=check_weights)
+    _same_training(sequential, fused)
+    assert synced["bitwise"] == [True, True]
+    assert synced["sent"] == synced["expected"]  # the parameters once each, in buckets: no state-dict pickle
+    assert len(synced["pids"]) == 2  # two replica processes
+    assert sum(m["schedule/migrated_samples"] for m in fused[1]) > 0  # the tail moved between processes
+    assert sum(m["schedule/replica_logprob_batches"] for m in fused[1]) > 0  # freed replicas took inference
+    assert fused[1][1]["rollout/weight_sync_mb"] == pytest.approx(synced["sent"] / 2**20)
+    versions = [set(b.meta["policy_version"]) for b in fused[0]]
+    assert versions == [{0}, {1}]  # step 2 decoded with the weights synced after step 1
+
+
+def test_elastic_replicas_train_like_sequential_and_bill_held_time(tmp_path, sft_cache, sequential):
+    el = _run(tmp_path, sft_cache, ["schedule.mode=elastic", *REPLICAS])
+    _same_training(sequential, el)
+    for m in el[1]:
+        assert 0 < m["time/rollout_worker_seconds"] <= 2 * m["time/step_seconds"]
+        assert m["elastic/replicas"] in (1.0, 2.0)
+
+
+@pytest.mark.slow  # ~50 s on a loaded 2-core machine; the same strategy code is checked locally in test_schedule_modes
+def test_async_replicas_at_staleness_zero_train_like_sequential(tmp_path, sft_cache, sequential):
+    asy = _run(tmp_path, sft_cache, ["schedule.mode=async", "schedule.max_staleness=0", *REPLICAS])
+    _same_training(sequential, asy)
+
+
+def test_async_replicas_respect_the_staleness_bound(tmp_path, sft_cache):
+    batches, metrics = _run(tmp_path, sft_cache, ["schedule.mode=fused+async", "schedule.max_staleness=1",
+                                                  *REPLICAS], steps=3)
+    for step, batch in enumerate(batches, start=1):
+        ages = [(step - 1) - v for v in batch.meta["policy_version"]]
+        assert all(0 <= a <= 1 for a in ages), (step, ages)
+        if step > 1:  # generated on the replicas during the previous step's training
+            assert set(ages) == {1}
+        assert metrics[step - 1]["async/staleness_max"] == max(ages)
+
+
+def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkeypatch):
+    import ray
+
+    from fuseflow.runner import train
+    from fuseflow.schedule.ray_pool import RayRolloutPool
+
+    real, killed = RayRolloutPool._stream, {}
+
+    def stream_then_kill(self, i, requests):
+        real(self, i, requests)
+        if self._args[0] == 2 and i == 1 and not killed:  # mid-generation of step 2, after step 1's checkpoint
+            killed["at"] = time.perf_counter()
+            ray.kill(self.replicas.handles[1], no_restart=True)
+
+    monkeypatch.setattr(RayRolloutPool, "_stream", stream_then_kill)
+    cfg = _config(sft_cache, ["schedule.mode=fused", *REPLICAS, "trainer.save_every=1", "trainer.max_restarts=0"],
+                  steps=3)
+    run = tmp_path / "run"
+    with pytest.raises(WorkerFailure) as err:
+        train(cfg, run)
+    message = str(err.value)
+    assert time.perf_counter() - killed["at"] < 30.0
+    assert "\n" not in message
+    assert "rollout worker rank 1 (pool rollout)" in message and "its process died" in message, message
+    assert "last checkpoint: step_1" in message and f"fuseflow train --resume {run}" in message, message
+
+
+@pytest.mark.parametrize("bad,words", [
+    (["schedule.mode=elastic", "schedule.rollout_workers=2"], "needs a rollout pool: set placement.rollout"),
+    (["schedule.mode=fused", "schedule.rollout_workers=2", "placement.rollout=main"],
+     "placement.rollout=main shares pool 'main' with actor"),
+    (["schedule.mode=fused", "schedule.rollout_workers=3", "placement.rollout=rollout",
+      "pools.rollout.workers_per_node=2"], "schedule.rollout_workers=3 is larger than pool 'rollout''s 2 bundles"),
+])
+def test_modes_the_ray_placement_cannot_host_fail_before_training(tmp_path, bad, words):
+    from fuseflow.cli import app
+
+    with pytest.raises(ConfigError, match=words):
+        load_config("sort", ["backend=ray", *bad])
+    result = CliRunner().invoke(app, ["train", "--output", str(tmp_path / "run"), "backend=ray", *bad])
+    assert result.exit_code == 2
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and words.split(":")[0] in lines[0].replace("\n", "")
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+@pytest.mark.slow
+def test_async_replicas_resume_exactly(tmp_path, sft_cache):
+    """The checkpoint holds the samples the replicas prefetched: the resumed Ray run equals the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    from fuseflow.runner import train
+    from fuseflow.telemetry.metrics import read_metrics
+
+    cfg = _config(sft_cache, ["schedule.mode=async", *REPLICAS, "trainer.save_every=1"], steps=3)
+    train(cfg, tmp_path / "full")
+    train(cfg, tmp_path / "cut", stop_after=2)
+    assert (tmp_path / "cut/checkpoints/step_2/prefetch.json").is_file()  # step 3 was generated already
+    train(cfg, tmp_path / "cut", resume=True)
+    keep = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "trace/", "rollout/weight"))}  # noqa: E731
+                         for r in rows]
+    full, cut = keep(read_metrics(tmp_path / "full")), keep(read_metrics(tmp_path / "cut"))
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    assert cut[2]["async/staleness_max"] == 1  # trained on the saved samples, not regenerated ones
+    assert full == cut
+    a = load_file(str(tmp_path / "full/checkpoints/step_3/actor/model.safetensors"))
+    b = load_file(str(tmp_path / "cut/checkpoints/step_3/actor/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
