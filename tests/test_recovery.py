@@ -27,15 +27,16 @@ from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
 from test_controller_train import TINY, _comparable, _file_task
 
 
-def _kill_after(run, step: int, killed: list, times: int = 1):
-    """SIGKILL the run's worker process once checkpoint ``step_{step}`` exists (then again at later ones)."""
+def _kill_after(run, step: int, killed: list, times: int = 1, rank: int = 0):
+    """SIGKILL one worker process of the run (``rank``-th by pid) once checkpoint ``step_{step}`` exists,
+    then again at ``2 * step``, ... (``times`` in all)."""
 
     def kill():
         for k in range(times):
             target = run / "checkpoints" / f"step_{step * (k + 1)}"
             while not target.exists() or not worker_pids():
                 time.sleep(0.05)
-            pid = worker_pids()[0]
+            pid = worker_pids()[rank]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
@@ -62,6 +63,24 @@ def test_a_killed_worker_restarts_and_the_run_matches_an_uninterrupted_one(tmp_p
     assert len(spans) == 1 and spans[0]["args"]["failed_step"] == event["failed_step"]
     assert cut["restarts"] == 1 and full["restarts"] == 0
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
+
+
+@pytest.mark.slow  # ~130 s on 2 cores under load (two dp=2 runs)
+@pytest.mark.usefixtures("ray_cluster")
+def test_killing_one_rank_of_a_data_parallel_pool_restarts_the_pool_and_matches(tmp_path, sft_cache):
+    """At actor.dp=2 the surviving rank waits in a collective for its dead peer: the restart must end it too,
+    start two fresh processes with a new process group and continue exactly."""
+    args = [*TINY, *_file_task(tmp_path), f"cache_dir={sft_cache}", "backend=ray", "actor.dp=2", "trainer.steps=4",
+            "ray.collective_timeout_s=30", "pools.main.cpus_per_worker=0.5"]
+    full = train(load_config("default", args), tmp_path / "full")
+    run, killed = tmp_path / "cut", []
+    _kill_after(run, 2, killed, rank=-1)
+    cut = train(load_config("default", [*args, "trainer.max_restarts=1"]), run)
+    assert len(killed) == 1 and cut["restarts"] == 1
+    (event,) = read_events(run, "restart")
+    assert event["resumed_from"] >= 2 and "its process died" in event["cause"]
+    assert _comparable(read_metrics(run)) == _comparable(read_metrics(tmp_path / "full"))
+    assert cut["evals"] == full["evals"]
 
 
 @pytest.mark.slow  # ~40 s on 2 cores
