@@ -83,6 +83,33 @@ def test_killing_one_rank_of_a_data_parallel_pool_restarts_the_pool_and_matches(
     assert cut["evals"] == full["evals"]
 
 
+@pytest.mark.slow  # ~80 s on 2 cores under load
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_collective_that_times_out_restarts_the_pool(tmp_path, sft_cache):
+    """A rank that hangs (SIGSTOP: alive, but silent) leaves its peer's collective to time out; that
+    failure restarts the pool too, the hung process is killed with it, and the run completes."""
+    run, stopped = tmp_path / "run", []
+    args = [*TINY, *_file_task(tmp_path), f"cache_dir={sft_cache}", "backend=ray", "actor.dp=2", "trainer.steps=4",
+            "ray.collective_timeout_s=5", "pools.main.cpus_per_worker=0.5", "trainer.max_restarts=1"]
+
+    def stop_rank_1():  # rank 0 alone runs rank-zero calls (generate); rank 1 is needed only in collectives
+        import ray
+
+        while not (run / "checkpoints" / "step_2").exists():
+            time.sleep(0.05)
+        name = next(n for n in ray.util.list_named_actors() if n.startswith(f"fuseflow-{run.name}-")
+                    and n.endswith("-main-1"))
+        stopped.append(ray.get(ray.get_actor(name).ready.remote()))  # its pid
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    threading.Thread(target=stop_rank_1, daemon=True).start()
+    summary = train(load_config("default", args), run)
+    assert stopped and summary["restarts"] == 1 and [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    (event,) = read_events(run, "restart")
+    assert "Timed out" in event["cause"] and "rank 0" in event["cause"], event["cause"]  # the survivor's timeout
+    assert stopped[0] not in worker_pids()  # the hung process went with the pool
+
+
 @pytest.mark.slow  # ~40 s on 2 cores
 @pytest.mark.usefixtures("ray_cluster")
 def test_restarts_beyond_the_budget_end_the_run_saying_so(tmp_path, sft_cache):
