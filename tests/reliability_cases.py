@@ -300,6 +300,7 @@ def write_doc(path: Path, rows: list[tuple[Case, str]]) -> None:
         "- A worker process that dies, or a collective that times out, on `backend=ray` restarts the worker groups",
         "  from the last checkpoint up to `trainer.max_restarts` times (default 3 on Ray, 0 locally); past that,",
         "  the run ends with exit code 1 and one line naming the role, rank, last checkpoint and how to resume.",
+        "  [recovery.md](recovery.md) records a 200-step Ray run with a worker process killed every 50 steps.",
         "- Ctrl-C ends with exit code 130 and names the checkpoint that is intact.",
         "",
     ]

@@ -227,6 +227,7 @@ def _register_plugins() -> None:
     from fuseflow.bench.fusion import register as register_fusion
     from fuseflow.bench.gpu import register as register_gpu
     from fuseflow.bench.lora import register as register_lora
+    from fuseflow.bench.recovery import register as register_recovery
     from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
@@ -242,6 +243,7 @@ def _register_plugins() -> None:
     register_fusion(bench_app)
     register_gpu(bench_app)
     register_lora(bench_app)
+    register_recovery(bench_app)
 
 
 _register_plugins()

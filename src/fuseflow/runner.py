@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fuseflow.checkpoint import latest_checkpoint, prune_checkpoints
@@ -50,7 +51,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
                     spent = f"after {restarts} automatic restart(s) (trainer.max_restarts={budget}); " if budget else ""
                     raise e.noted(f"{spent}{kept}; resume with: fuseflow train --resume {run_dir}") from None
                 restarts += 1
-                console.print(f"[yellow]restart {restarts}/{budget}:[/] {e}; starting the workers again from "
+                # escape: a worker's error text may hold brackets (gloo's "[/path/unbound_buffer.cc:78]")
+                console.print(f"[yellow]restart {restarts}/{budget}:[/] {escape(str(e))}; starting the workers again from "
                               f"{ckpt.name if ckpt else 'the start'}", highlight=False)
                 # Same config, same placement, fresh processes; the exact-resume path reloads the checkpoint.
                 trainer = RLTrainer(cfg, run_dir, resume=True, log=console.print, progress=progress)
