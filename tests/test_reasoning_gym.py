@@ -97,6 +97,7 @@ def test_smollm_preset_resolves():
     cfg = load_config("smollm")
     assert cfg.model.path == "smollm2-135m" and not cfg.sft.enabled and cfg.algorithm.name == "grpo"
     assert cfg.task.name == "reasoning_gym" and cfg.task.dataset == "basic_arithmetic"
+    assert cfg.trainer.time_limit_minutes <= 45 and cfg.model.lora.enabled  # within the acceptance budget, on LoRA
 
 
 def test_tiny_grpo_run_on_a_random_llama_with_a_chat_tokenizer(tmp_path):
@@ -121,6 +122,25 @@ def test_tiny_grpo_run_on_a_random_llama_with_a_chat_tokenizer(tmp_path):
     assert all(1 <= r["rollout/response_length_max"] <= 6 for r in rows)
     saved = load_tokenizer(tmp_path / "run/checkpoints/step_2/actor")
     assert saved.chat_template == tok.chat_template
+
+
+def test_time_limit_stops_early_with_the_final_evaluation_and_checkpoint(tmp_path):
+    """trainer.time_limit_minutes: a budget already spent after step 1 ends the run there, evaluated and saved."""
+    from fuseflow.runner import train
+
+    tok_dir, _ = chat_tokenizer_dir(tmp_path / "model")
+    tok = load_tokenizer(tok_dir)
+    mcfg = ModelConfig.preset("tiny", vocab_size=len(tok), num_hidden_layers=1, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    CausalLM.from_config(mcfg, seed=0).save_pretrained(tok_dir)
+    cfg = load_config("smollm", [f"model.path={tok_dir}", f"cache_dir={tmp_path / 'cache'}", "trainer.steps=5",
+                                 "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.mini_batch_size=4",
+                                 "trainer.micro_batch_size=4", "trainer.eval_size=4", "trainer.eval_every=10",
+                                 "trainer.save_every=10", "task.train_size=16", "task.eval_size=4",
+                                 "model.max_response_len=4", "trainer.time_limit_minutes=0.0001"])
+    summary = train(cfg, tmp_path / "run")
+    assert summary["steps"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
+    assert (tmp_path / "run/checkpoints/step_1").is_dir() and summary["accuracy_after"] is not None
 
 
 @pytest.mark.slow
