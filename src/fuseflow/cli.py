@@ -175,13 +175,17 @@ def export(run_dir: Path = typer.Argument(..., help="A run directory made by fus
            out_dir: Path = typer.Argument(..., help="Where to write the Hugging Face model (or peft adapter) directory."),
            step: int = typer.Option(None, "--step", help="Checkpoint step (default: the latest)."),
            merge: bool = typer.Option(False, "--merge", help="LoRA runs: write the base with the adapters merged "
-                                      "in (a plain HF model) instead of the peft adapter.")) -> None:
+                                      "in (a plain HF model) instead of the peft adapter."),
+           check: int = typer.Option(0, "--check", help="Then decode N held-out prompts greedily in transformers "
+                                     "(and peft, for an adapter) and check they give the engine's tokens.")) -> None:
     """Write a checkpoint's policy as a Hugging Face model directory (a LoRA run: its peft adapter) with its tokenizer."""
     from fuseflow.checkpoint import find_checkpoint
     from fuseflow.data.tokenizer import load_tokenizer
     from fuseflow.models import CausalLM
 
     try:
+        if check < 0:
+            raise ValueError(f"--check {check}: the number of prompts must be >= 0")
         ckpt = find_checkpoint(run_dir, step)
         tok_dir = ckpt / "actor"
         tokenizer = load_tokenizer(tok_dir if (tok_dir / "tokenizer.json").exists() else None)
@@ -196,6 +200,16 @@ def export(run_dir: Path = typer.Argument(..., help="A run directory made by fus
     except _user_errors() as e:
         fail(str(e))
     console.print(f"Exported {ckpt} to {out_dir} (load with {what})")
+    if check:
+        from fuseflow.export_check import check_export
+
+        r = check_export(run_dir, ckpt, out_dir, check, log=console.print)
+        loaders = [k for k in r if k in ("peft", "transformers")]
+        for name in loaders:
+            console.print(f"{name}: {r[name]}/{r['prompts']} prompts give the engine's greedy tokens "
+                          f"({sum(r['engine_tokens'])} tokens)")
+        if any(r[name] != r["prompts"] for name in loaders):
+            fail("the exported model's greedy tokens differ from the engine's (see above)", code=1)
 
 
 def _export_lora(adapter_dir: Path, base_dir: Path, out_dir: Path, merge: bool) -> str:

@@ -215,6 +215,10 @@ class TrainerConfig(_Section):
     # down, start them again, reload the last checkpoint and go on. None: 0 on backend=local (a dead
     # in-process worker is the controller itself), 3 on backend=ray.
     max_restarts: int | None = Field(None, ge=0)
+    # Wall-clock budget of the whole run in minutes (None: no limit). The run stops early, with its final
+    # held-out evaluation and checkpoint, after the step past which one more step plus that evaluation
+    # would not fit; the steps it would have run stay in trainer.steps.
+    time_limit_minutes: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _batches_divide(self) -> TrainerConfig:

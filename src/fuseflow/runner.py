@@ -28,6 +28,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     ``stop_after`` ends the run early after that step, as an interruption would (used by tests).
     """
     console = console or Console()
+    started = time.perf_counter()  # trainer.time_limit_minutes counts from here
     check_inputs(cfg)  # the files the config names, before the run directory exists
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -38,7 +39,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         restarts, budget = 0, max_restarts(cfg)
         bar = progress.add_task("RL", total=cfg.trainer.steps, completed=trainer.start_step)
         while True:
-            clock = {"saved": time.perf_counter()}  # when the newest checkpoint was complete
+            # "saved": when the newest checkpoint was complete; "started": when this run began
+            clock = {"saved": time.perf_counter(), "started": started}
             try:
                 _run_steps(trainer, cfg, run_dir, progress, bar, clock, console, stop_after)
                 break
@@ -88,18 +90,27 @@ def _run_steps(trainer: RLTrainer, cfg: Config, run_dir: Path, progress, bar, cl
     t = cfg.trainer
     trainer.current_step = trainer.start_step
     (run_dir / "model_config.json").write_text(json.dumps(trainer.actor.model_config(), indent=1))
+    deadline = None if t.time_limit_minutes is None else clock["started"] + 60 * t.time_limit_minutes
+    eval_seconds = 0.0  # the longest held-out evaluation seen: what the final one is expected to take
     if not any(e["step"] == 0 for e in trainer.evals):
+        t0 = time.perf_counter()
         ev = trainer.evaluate(0)
+        eval_seconds = time.perf_counter() - t0
         if "accuracy" in ev:
             start = "SFT model" if cfg.sft.enabled else f"model.path={cfg.model.path}"
             console.print(f"Held-out accuracy before RL ({start}): {ev['accuracy']:.3f}")
     for step in range(trainer.start_step + 1, t.steps + 1):
         trainer.current_step = step
+        t0 = time.perf_counter()
         m = trainer.step(step)
-        if step % t.eval_every == 0 or step == t.steps:
+        now = time.perf_counter()
+        # Out of time when another step like this one plus the final evaluation would end past the deadline.
+        last = step == t.steps or (deadline is not None and now + (now - t0) + eval_seconds > deadline)
+        if step % t.eval_every == 0 or last:
             m |= {f"eval/{k}": v for k, v in trainer.evaluate(step).items()}
+            eval_seconds = max(eval_seconds, time.perf_counter() - now)
         trainer.metrics.log(step, m)
-        if step % t.save_every == 0 or step == t.steps:
+        if step % t.save_every == 0 or last:
             trainer.save(step)
             clock["saved"] = time.perf_counter()
             prune_checkpoints(run_dir, t.keep_checkpoints, trainer.evals)  # only once the new one is complete
@@ -108,6 +119,10 @@ def _run_steps(trainer: RLTrainer, cfg: Config, run_dir: Path, progress, bar, cl
             + (f"acc {m['reward/accuracy']:.3f} " if "reward/accuracy" in m else "")
             + f"{m['perf/tokens_per_second']:.0f} tok/s"))
         if stop_after is not None and step >= stop_after:
+            break
+        if last and step < t.steps:
+            console.print(f"trainer.time_limit_minutes={t.time_limit_minutes:g}: stopped after step {step} of "
+                          f"{t.steps} ({(time.perf_counter() - clock['started']) / 60:.1f} minutes)")
             break
 
 

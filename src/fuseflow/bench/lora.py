@@ -131,22 +131,33 @@ def engine_speed(model_dir: Path, rank: int, prompts: int, new_tokens: int, repe
 
 def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 64, response_len: int = 64,
                    steps: int = 2, threads: int = 2, overrides: list[str] | None = None, rank: int = 8,
-                   engine_prompts: int = 16, engine_tokens: int = 32, repeats: int = 3, log=print) -> dict:
-    """Both memory variants (each in its own process), then the engine comparison; the figures as a dict."""
+                   engine_prompts: int = 16, engine_tokens: int = 32, repeats: int = 3, log=print,
+                   micro_batch: int | None = None) -> dict:
+    """Both memory variants (each in its own process), then the engine comparison; the figures as a dict.
+
+    ``rows`` sequences make one mini-batch (one optimizer step per update), cut into micro-batches of
+    ``micro_batch`` rows (default: all of them) for gradient accumulation.
+    """
     from fuseflow.models import CausalLM, ModelConfig
 
-    if steps < 1 or rows < 1:
-        raise ValueError(f"steps and rows must be >= 1, got steps={steps}, rows={rows}")
+    micro_batch = micro_batch or rows
+    if steps < 1 or rows < 1 or micro_batch < 1 or rows % micro_batch:
+        raise ValueError(f"steps and rows must be >= 1 and the micro-batch must divide rows, got steps={steps}, "
+                         f"rows={rows}, micro-batch={micro_batch}")
     with tempfile.TemporaryDirectory(prefix="fuseflow-bench-lora-") as tmp:
         if model is None:
             model_dir = Path(tmp) / "model"
             cfg = ModelConfig.preset("small", **SMOLLM2_135M)
             CausalLM.from_config(cfg, seed=0).save_pretrained(model_dir)
-        else:
-            model_dir = Path(model)
+        else:  # an HF directory, a .gguf file or a named model (smollm2-135m), as model.path takes them
+            from fuseflow.config import load_config
+            from fuseflow.models.source import resolve_model_path
+
+            model_dir = resolve_model_path(model, load_config("default").cache_dir, log)
             if not (model_dir / "config.json").is_file():
                 raise FileNotFoundError(f"--model {model}: no config.json there; pass a Hugging Face model directory")
-        lora_args = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}", f"trainer.micro_batch_size={rows}",
+        lora_args = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}",
+                     f"trainer.micro_batch_size={micro_batch}",
                      *(overrides or [])]
         variants = {}
         spawn = multiprocessing.get_context("spawn")
@@ -163,7 +174,7 @@ def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 6
         "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__},
         "model": model or "random, SmolLM2-135M's shape",
         "settings": {"rows": rows, "prompt_len": prompt_len, "response_len": response_len, "steps": steps,
-                     "micro_batch_size": rows, "rank": rank, "alpha": 2 * rank,
+                     "micro_batch_size": micro_batch, "rank": rank, "alpha": 2 * rank,
                      "targets": "q,k,v,o,gate,up,down", "overrides": overrides or []},
         "variants": variants,
         "peak_reduction": 1.0 - lora["peak_rss_mb"] / full["peak_rss_mb"],
@@ -179,9 +190,12 @@ def register(bench_app) -> None:
     @bench_app.command("lora")
     def bench_lora(overrides: list[str] = typer.Argument(None, help="Dotted overrides for both variants."),
                    out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here."),
-                   model: str = typer.Option(None, "--model", help="A Hugging Face model directory (default: "
-                                             "a random model of SmolLM2-135M's shape)."),
-                   rows: int = typer.Option(16, "--rows", help="Sequences in the batch (one micro-batch)."),
+                   model: str = typer.Option(None, "--model", help="A Hugging Face model directory, .gguf "
+                                             "file or named model such as smollm2-135m (default: a random model of "
+                                             "SmolLM2-135M's shape)."),
+                   rows: int = typer.Option(16, "--rows", help="Sequences in the batch (one mini-batch)."),
+                   micro_batch: int = typer.Option(None, "--micro-batch", help="Rows per forward/backward "
+                                                   "(default: all rows)."),
                    prompt_len: int = typer.Option(64, "--prompt-len"),
                    response_len: int = typer.Option(64, "--response-len"),
                    steps: int = typer.Option(2, "--steps", help="RL updates per variant."),
@@ -193,7 +207,7 @@ def register(bench_app) -> None:
 
         try:
             r = run_lora_bench(model, rows, prompt_len, response_len, steps, threads, overrides, rank,
-                               log=console.print)
+                               log=console.print, micro_batch=micro_batch)
         except (ConfigError, ValueError, FileNotFoundError) as e:
             fail(str(e))
         for name, v in r["variants"].items():

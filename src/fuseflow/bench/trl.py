@@ -53,10 +53,40 @@ QUICK_OVERRIDES = ("trainer.prompts_per_step=4", "algorithm.group_size=4", "trai
                    "sft.max_steps=40", "sft.eval_every=40", "sft.eval_size=16", "rollout.backend=engine")
 
 
-def bench_config(overrides: list[str] | None = None, quick: bool = False, steps: int = 4) -> Config:
-    """The `sort` preset with the benchmark's settings, then the user's overrides."""
+# A pretrained chat model (``--model``): the `smollm` preset's task, batch, lengths and LoRA settings.
+MODEL_OVERRIDES = ("rollout.backend=engine",)
+QUICK_MODEL_OVERRIDES = ("trainer.prompts_per_step=2", "algorithm.group_size=4", "trainer.mini_batch_size=8",
+                         "trainer.micro_batch_size=4", "model.max_response_len=8", "task.train_size=64",
+                         "task.eval_size=8", "trainer.eval_size=8", "rollout.backend=engine")
+
+
+def bench_config(overrides: list[str] | None = None, quick: bool = False, steps: int = 4,
+                 model: str | None = None) -> Config:
+    """The `sort` preset with the benchmark's settings, then the user's overrides.
+
+    With ``model`` (a named model, GGUF file or HF directory) it is the `smollm` preset on that model
+    instead: no SFT stage, chat-templated reasoning-gym prompts, LoRA as the preset sets it.
+    """
+    if model is not None:
+        base = list(QUICK_MODEL_OVERRIDES if quick else MODEL_OVERRIDES)
+        return load_config("smollm", [f"model.path={model}", *base, f"trainer.steps={steps}", *(overrides or [])])
     base = list(QUICK_OVERRIDES if quick else BENCH_OVERRIDES)
     return load_config("sort", [*base, f"trainer.steps={steps}", *(overrides or [])])
+
+
+def _trl_prompts(ff, order: list[int]) -> tuple[list, Callable[[Any], str], Callable[[Any], str]]:
+    """TRL's dataset prompts for fuseflow's prompt indices, and how to read a prompt's and a completion's text.
+
+    A chat tokenizer gets conversational prompts (one user turn), which TRL renders with the same chat
+    template (assistant header included) as fuseflow; TRL then hands completions back as messages.
+    """
+    from fuseflow.data.tokenizer import uses_chat_template
+
+    texts = [ff.train_prompts[i].text for i in order]
+    if uses_chat_template(ff.tokenizer):
+        return ([[{"role": "user", "content": t}] for t in texts], lambda p: p[-1]["content"],
+                lambda c: c[-1]["content"])
+    return texts, lambda p: p, lambda c: c
 
 
 class _Timer:
@@ -130,7 +160,8 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     # TRL gets the prompts fuseflow will draw, in the same order (and does not shuffle them).
     order = PromptStream(len(ff.train_prompts), cfg.seed).take(steps * t.prompts_per_step)
     by_text = {ff.train_prompts[i].text: ff.train_prompts[i] for i in order}
-    data = datasets.Dataset.from_dict({"prompt": [ff.train_prompts[i].text for i in order]})
+    trl_prompts, prompt_text, completion_text = _trl_prompts(ff, order)
+    data = datasets.Dataset.from_dict({"prompt": trl_prompts})
 
     trl_tokens: list[float] = []
     trl_rewards: list[float] = []
@@ -140,15 +171,27 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
         # Called once per generation batch (one RL step); completion ids include the eos, as fuseflow counts them.
         trl_tokens.append(float(sum(len(c) for c in completion_ids)))
         trl_longest.append(max(len(c) for c in completion_ids))
-        scores = [ff.task.score(by_text[p], c) for p, c in zip(prompts, completions, strict=True)]
+        scores = [ff.task.score(by_text[prompt_text(p)], completion_text(c))
+                  for p, c in zip(prompts, completions, strict=True)]
         trl_rewards.append(sum(scores) / len(scores))
         return scores
 
     tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
-    probe = ff.train_prompts[order[0]].text
-    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
-        raise ValueError("the exported tokenizer adds special tokens to prompts; TRL would see other inputs")
+    ours_ids = ff.train_ids[order[0]]  # fuseflow's prompt ids (chat-templated when the tokenizer has a template)
+    if isinstance(trl_prompts[0], list):
+        theirs_ids = tokenizer.apply_chat_template(trl_prompts[0], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    else:
+        theirs_ids = tokenizer(trl_prompts[0])["input_ids"]
+    if list(theirs_ids) != list(ours_ids):
+        raise ValueError("TRL would tokenize the prompts differently from fuseflow (special tokens or template)")
     model = AutoModelForCausalLM.from_pretrained(str(sft_dir), dtype=torch.float32)
+    peft_config = None
+    if cfg.model.lora.enabled:  # the same adapters: peft's LoraConfig of the same rank, alpha, dropout, targets
+        from fuseflow.models.lora import LoraSpec
+
+        lo = cfg.model.lora
+        peft_config = LoraSpec(lo.rank, lo.alpha, lo.dropout, tuple(lo.targets)).peft_config()
     mini = t.mini_batch_size
     # transformers 5 renamed gradient_checkpointing (TRL's default: on) to activation_checkpointing.
     names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
@@ -196,7 +239,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
             trl_timer.start()
 
     trainer = trl.GRPOTrainer(model=model, reward_funcs=sort_reward, args=args, train_dataset=data,
-                              processing_class=tokenizer, callbacks=[Interleave()])
+                              processing_class=tokenizer, callbacks=[Interleave()], peft_config=peft_config)
     log("TRL GRPOTrainer: training (fuseflow steps interleaved)")
     try:
         trainer.train()
@@ -210,10 +253,12 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
     theirs = _summary(trl_timer, samples_per_step, trl_tokens, 1) | {"reward_per_step": trl_rewards,
                                                                      "response_length_max_per_step": trl_longest}
     return {
-        "benchmark": "grpo_sort_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
+        "benchmark": f"grpo_{cfg.task.name}_vs_trl", "device": "cpu", "dtype": "float32", "torch_threads": threads,
         "trl_torch_threads": trl_threads,
         "cpu": cpu_name(), "torch": torch.__version__, "trl_version": trl.__version__,
-        "settings": {"task": cfg.task.name, "model": cfg.model.size, "steps": steps, "warmup_steps_excluded": 1,
+        "settings": {"task": cfg.task.name, "model": cfg.model.path or cfg.model.size, "steps": steps,
+                     "warmup_steps_excluded": 1, "lora": cfg.model.lora.model_dump() if cfg.model.lora.enabled else None,
+                     "trl_prompts": "conversational (chat template)" if isinstance(trl_prompts[0], list) else "text",
                      "prompts_per_step": t.prompts_per_step, "group_size": a.group_size,
                      "samples_per_step": samples_per_step, "mini_batch_size": mini,
                      "micro_batch_size": t.micro_batch_size, "max_prompt_len": cfg.model.max_prompt_len,
@@ -237,16 +282,19 @@ def register(bench_app) -> None:
                   out: Path = typer.Option(None, "--out", "-o", help="Write the JSON here."),
                   steps: int = typer.Option(4, "--steps", help="RL steps per side (the first is a warm-up)."),
                   threads: int = typer.Option(1, "--threads", help="torch threads (both sides)."),
-                  quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks).")
-                  ) -> None:
-        """GRPO on `sort`: fuseflow vs TRL's GRPOTrainer, same weights, batch and lengths; samples/s ratio."""
+                  quick: bool = typer.Option(False, "--quick", help="A seconds-scale run (tests, smoke checks)."),
+                  model: str = typer.Option(None, "--model", help="A pretrained model (e.g. smollm2-135m, a .gguf "
+                                            "file, an HF directory): the `smollm` preset's task, batch and LoRA "
+                                            "on it instead of `sort`.")) -> None:
+        """GRPO on `sort` (or a pretrained model with --model): fuseflow vs TRL's GRPOTrainer, same weights, batch
+        and lengths; samples/s ratio."""
         from fuseflow.config import ConfigError
         from fuseflow.console import console, fail
 
         try:
             if steps < 1 or threads < 1:
                 raise ValueError(f"--steps and --threads must be >= 1, got {steps} and {threads}")
-            result = run_trl_comparison(bench_config(overrides, quick, steps), threads, log=console.print)
+            result = run_trl_comparison(bench_config(overrides, quick, steps, model), threads, log=console.print)
         except (ConfigError, ValueError, ImportError, FileNotFoundError) as e:
             fail(str(e))
         f, r = result["fuseflow"], result["trl"]
