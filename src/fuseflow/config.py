@@ -151,6 +151,11 @@ class AlgorithmConfig(_Section):
     # as the proximal policy, tokens weighted by min(pi_old / pi_behaviour, is_cap); null means no cap).
     policy_loss: Literal["ppo", "decoupled"] = "ppo"
     is_cap: float | None = Field(2.0, gt=0.0)
+    # Train/rollout mismatch correction (policy_loss=ppo): tis weighs each token by
+    # min(pi_old / pi_behaviour, rollout_is_cap), pi_old from the trainer and pi_behaviour from the
+    # rollout engine (they differ when the rollout runs vLLM, or bf16 against an fp32 trainer).
+    rollout_is: Literal["none", "tis"] = "none"
+    rollout_is_cap: float = Field(2.0, gt=0.0)
     norm_by_std: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -481,6 +486,10 @@ class Config(_Section):
         if self.model.lora.enabled and self.rollout.backend == "hf":
             raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=hf "
                              "keeps a second full copy without them: use rollout.backend=engine (or sampler)")
+        if a.rollout_is == "tis" and a.policy_loss == "decoupled":
+            raise ValueError("algorithm.rollout_is=tis weighs tokens by min(pi_old / pi_behaviour, cap), which "
+                             "algorithm.policy_loss=decoupled already does (algorithm.is_cap); drop rollout_is "
+                             "or use policy_loss=ppo")
         if a.kl_target is not None and a.kl_coef == 0:
             raise ValueError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 and would "
                              "stay 0; set algorithm.kl_coef>0 as the starting value, or drop kl_target")

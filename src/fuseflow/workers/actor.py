@@ -148,7 +148,8 @@ class ActorWorker(TrainableRole, ReferenceWorker):
                     self.policy_loss, logprobs=logp, old_logprobs=mb["old_logprobs"],
                     proximal_logprobs=mb["old_logprobs"], behavior_logprobs=mb["behavior_logprobs"],
                     advantages=mb["advantages"], mask=mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                    is_cap=algo.is_cap, agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
+                    is_cap=algo.is_cap, tis_cap=algo.rollout_is_cap if algo.rollout_is == "tis" else None,
+                    agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
                     norm_len=self.norm_len)
                 loss = pg_loss
                 if not algo.kl_in_reward and kl_coef > 0:
