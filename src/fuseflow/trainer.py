@@ -173,7 +173,7 @@ class RLTrainer:
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
-            self.actor.sync_weights(step)  # in-process: shared weights, the version moves on
+            metrics |= self.actor.sync_weights(step) or {}  # in-process: shared weights (vLLM: pushed, timed)
         metrics |= self.strategy.step_metrics(step)  # worker-seconds, busy fractions, long tail
         seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())

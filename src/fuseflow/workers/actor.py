@@ -177,7 +177,9 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             self.tokenizer.save_pretrained(str(Path(ckpt_dir) / self.role))
 
     @register("one_to_all", collect="rank_zero")
-    def sync_weights(self, version: int) -> None:
-        """Hand the updated weights to the rollout (in-process: shared, only the version moves)."""
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Hand the updated weights to the rollout (in-process: shared, only the version moves; a backend
+        with its own copy, vLLM, gets them pushed). Returns the backend's sync metrics (time, MB), if any."""
         self.sync_plain()
         self.rollout.update_weights(version)
+        return dict(getattr(self.rollout, "sync_metrics", {}))
