@@ -186,3 +186,33 @@ def test_bf16_rollout_differs_from_the_fp32_trainer_by_rounding(tiny):
         backend.close()
     diffs = torch.cat([(_trainer_logprobs(model, s) - torch.tensor(s.logprobs)).abs() for s in samples])
     assert 1e-4 < float(diffs.max()) < 0.5  # bf16 rounding shows, but it is the same model
+
+
+@pytest.mark.vllm
+def test_fused_run_on_vllm_trains_migrates_and_every_sample_arrives(tmp_path, sft_cache):
+    pytest.importorskip("vllm")
+    from test_schedule_modes import _run
+
+    batches, metrics = _run(tmp_path, sft_cache, ["rollout.backend=vllm", "schedule.mode=fused",
+                                                  "schedule.rollout_workers=2", "schedule.migration_threshold=0.9",
+                                                  "schedule.token_budget=256"])
+    assert sum(m["schedule/migrated_samples"] for m in metrics) > 0  # the tail moved between vLLM engines
+    for batch, m in zip(batches, metrics, strict=True):
+        assert sorted(batch.meta["uid"]) == sorted(set(batch.meta["uid"])) and len(batch) == 16  # 4 prompts x 4
+        assert m["rollout/logprob_diff_max"] < 1e-4  # fp32 vLLM samples what the trainer scores
+        assert torch.isfinite(torch.tensor(m["actor/pg_loss"]))
+    assert metrics[1]["rollout/weight_sync_mb"] > 0  # step 2 started from step 1's weights, pushed into vLLM
+
+
+@pytest.mark.vllm
+def test_async_on_vllm_generates_ahead_within_the_staleness_bound(tmp_path, sft_cache):
+    pytest.importorskip("vllm")
+    from test_schedule_modes import _run
+
+    batches, metrics = _run(tmp_path, sft_cache, ["rollout.backend=vllm", "schedule.mode=async",
+                                                  "schedule.max_staleness=1"], steps=3)
+    for step, batch in enumerate(batches, start=1):
+        ages = [(step - 1) - v for v in batch.meta["policy_version"]]
+        assert len(batch) == 16 and set(ages) == ({0} if step == 1 else {1}), (step, ages)
+    # The rollout decodes with its own copy of the weights: each step's copy reached vLLM.
+    assert all(m["rollout/weight_sync_mb"] > 0 for m in metrics[1:])

@@ -134,6 +134,7 @@ class VLLMBackend(RolloutBackend):
         self.vocab_size = cfg.vocab_size if cfg is not None else None
         self.policy_version = 0
         self.engine = None
+        self._threads = torch.get_num_threads()  # intra-op threads of every engine step (set at start)
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, str] = {}
         self._next_id = 0
@@ -166,6 +167,7 @@ class VLLMBackend(RolloutBackend):
             # vLLM reseeds the global RNGs and replaces torch.set_num_threads (for its thread binding, which
             # only its multiprocess executor does): both are this process's, so they are put back.
             states = (torch.random.get_rng_state(), random.getstate(), torch.set_num_threads)
+            self._threads = torch.get_num_threads()
             try:
                 with _LOCK:
                     self.engine = LLMEngine.from_engine_args(args)
@@ -218,6 +220,10 @@ class VLLMBackend(RolloutBackend):
         """One vLLM engine step; returns the samples that finished in it."""
         finished = []
         with _LOCK:
+            # vLLM's CPU attention sizes its work plan by this thread's OpenMP thread count, and a thread
+            # Python started (a rollout worker) does not inherit the count torch.set_num_threads gave the
+            # thread that built the engine: the kernel then aborts the process ("thread_num == thread_num").
+            torch.set_num_threads(self._threads)
             outs = self.engine.step()
             now = time.perf_counter()
             for out in outs:
