@@ -216,3 +216,14 @@ def test_async_on_vllm_generates_ahead_within_the_staleness_bound(tmp_path, sft_
         assert len(batch) == 16 and set(ages) == ({0} if step == 1 else {1}), (step, ages)
     # The rollout decodes with its own copy of the weights: each step's copy reached vLLM.
     assert all(m["rollout/weight_sync_mb"] > 0 for m in metrics[1:])
+
+
+@pytest.mark.vllm
+def test_bench_rollout_times_vllm_beside_the_engine():
+    pytest.importorskip("vllm")
+    from fuseflow.rollout.bench import VOCAB, bench_workload
+
+    model = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=VOCAB), seed=0).eval()
+    w = bench_workload(model, "uniform", 8, True, 1, "cpu", lambda *_: None, ("engine", "vllm"))
+    assert w["vllm_tok_s"] > 0 and w["vllm_over_engine"] == pytest.approx(w["vllm_tok_s"] / w["fuseflow_tok_s"])
+    assert "hf_tok_s" not in w and len(w["vllm_cpu_s"]) == 1

@@ -142,8 +142,9 @@ class VLLMBackend(RolloutBackend):
         self.stats = {"generated_tokens": 0, "resumed": 0, "weight_syncs": 0}
 
     # ------------------------------------------------------------------------------------ engine
-    def _start(self) -> None:
-        """Build the engine from the source model's current weights (written as an HF checkpoint)."""
+    def start(self) -> None:
+        """Build the engine from the source model's current weights (written as an HF checkpoint); `add` calls
+        it on first use, a benchmark before its clock starts."""
         if self.engine is not None:
             return
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: see the module docstring
@@ -199,7 +200,7 @@ class VLLMBackend(RolloutBackend):
         partial = item if isinstance(item, PartialState) else None
         req = partial.request if partial is not None else item
         self._validate(req, partial)
-        self._start()
+        self.start()
         p, done = req.params, list(partial.response_ids) if partial else []
         seed = p.seed if not done else resume_seed(p.seed, len(done))
         sp = VSP(temperature=0.0 if p.greedy else p.temperature, max_tokens=p.max_new_tokens - len(done), seed=seed,
@@ -311,6 +312,12 @@ class VLLMBackend(RolloutBackend):
         self.sync_metrics = {"rollout/weight_sync_seconds": seconds, "rollout/weight_sync_mb": mb,
                              "rollout/weight_sync_s_per_mb": seconds / mb if mb else 0.0,
                              "rollout/weight_sync_buckets": float(len(buckets))}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV (a benchmark repeat starts cold, as a fresh engine would)."""
+        if self.engine is not None:
+            with _LOCK:
+                self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         """Drop the engine (its KV cache and weights); a later `add` starts a new one."""
