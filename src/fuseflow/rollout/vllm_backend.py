@@ -163,7 +163,7 @@ class VLLMBackend(RolloutBackend):
             args = EngineArgs(model=path, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
                               kv_cache_memory_bytes=kv_bytes, max_num_seqs=self.max_num_seqs,
                               max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
-                              enable_prefix_caching=self.enable_prefix_cache, seed=0,
+                              enable_prefix_caching=self.enable_prefix_cache, seed=0, enable_chunked_prefill=False,
                               max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_model_len))
             # vLLM reseeds the global RNGs and replaces torch.set_num_threads (for its thread binding, which
             # only its multiprocess executor does): both are this process's, so they are put back.
