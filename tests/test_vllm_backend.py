@@ -7,6 +7,7 @@ the module's tests: starting a vLLM engine takes 10-40 s on this machine.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,6 +112,30 @@ def test_seeded_samples_do_not_depend_on_the_batch_and_logprobs_match_the_traine
     for s in together.values():  # behaviour log-probs under the temperature-scaled distribution
         diff = (_trainer_logprobs(model, s, 0.7) - torch.tensor(s.logprobs)).abs().max()
         assert float(diff) < 1e-4, (s.uid, float(diff))
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_vllm_backend import V, _requests
+from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.rollout.vllm_backend import VLLMBackend
+model = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=V), seed=0).eval()
+backend = VLLMBackend(model, max_num_seqs=2, kv_budget_tokens=512)
+print("TOKENS", json.dumps({{s.uid: s.response_ids for s in backend.generate(_requests(temperature=0.7)[4:])}}))
+"""
+
+
+@pytest.mark.vllm
+def test_seeded_samples_are_the_same_in_another_process(tiny):
+    _model, backend = tiny
+    here = _by_uid(backend.generate(_requests(temperature=0.7)[4:]))
+    code = CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.path.abspath(SRC)})
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("TOKENS"))
+    there = {int(k): v for k, v in json.loads(line.removeprefix("TOKENS ")).items()}
+    assert there == {u: s.response_ids for u, s in here.items()}
 
 
 @pytest.mark.vllm

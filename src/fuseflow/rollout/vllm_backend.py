@@ -29,6 +29,7 @@ so two engines must not step at once (rollout workers on threads take turns on t
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import random
@@ -38,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -180,9 +182,8 @@ class VLLMBackend(RolloutBackend):
                 torch.set_num_threads = states[2]
 
     def _kv_bytes_per_token(self, path: str, dtype: str) -> int:
-        import json
-
-        c = json.loads(open(os.path.join(path, "config.json")).read())
+        """KV bytes one token takes in vLLM's cache (keys and values of every layer), from config.json."""
+        c = json.loads((Path(path) / "config.json").read_text())
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         itemsize = 4 if dtype == "float32" else 2
