@@ -54,6 +54,11 @@ INSTALL_HINT = ("rollout.backend=vllm needs vLLM, which is not installed: on a C
 DTYPES = ("auto", "float32", "bfloat16")
 BLOCK = 128  # vLLM's KV block on CPU (tokens); the KV budget is rounded up to whole blocks
 _LOCK = threading.RLock()  # one vLLM engine steps at a time in this process (see the module docstring)
+# Every started engine of this process stays referenced until it is closed, and a closed one until no
+# other is open: shutting an in-process vLLM engine down tears down the process-wide distributed state
+# that every other engine in the process uses ("pipeline model parallel group is not initialized").
+_OPEN: list = []
+_CLOSED: list = []
 
 
 def vllm_available() -> bool:
@@ -174,6 +179,7 @@ class VLLMBackend(RolloutBackend):
             try:
                 with _LOCK:
                     self.engine = LLMEngine.from_engine_args(args)
+                    _OPEN.append(self.engine)
             except Exception as e:  # noqa: BLE001 - one line naming the cause, for the CLI
                 raise ValueError(f"vLLM could not start on {path}: {type(e).__name__}: {first_line(e)}") from e
             finally:
@@ -321,8 +327,14 @@ class VLLMBackend(RolloutBackend):
                 self.engine.reset_prefix_cache()
 
     def close(self) -> None:
-        """Drop the engine (its KV cache and weights); a later `add` starts a new one."""
+        """Drop the engine (its KV cache and weights; freed once no other engine of the process is open, see
+        `_OPEN`); a later `add` starts a new one."""
         with _LOCK:
+            if any(e is self.engine for e in _OPEN):
+                _OPEN.remove(self.engine)
+                _CLOSED.append(self.engine)
+            if not _OPEN:
+                _CLOSED.clear()
             self.engine = None
             self._live.clear()
             self._by_uid.clear()
