@@ -35,6 +35,21 @@ def test_without_vllm_the_backend_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+def test_config_refuses_what_the_vllm_backend_cannot_do(monkeypatch):
+    from fuseflow.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.dtype=bfloat16 applies to rollout.backend=vllm only"):
+        load_config("default", ["rollout.dtype=bfloat16"])
+    monkeypatch.setattr("fuseflow.rollout.vllm_backend.vllm_available", lambda: True)  # as if installed
+    cfg = load_config("default", ["rollout.backend=vllm", "rollout.dtype=bfloat16", "schedule.mode=fused",
+                                  "schedule.rollout_workers=2"])
+    assert cfg.rollout.dtype == "bfloat16" and cfg.rollout.weight_bucket_mb == 64.0
+    for bad, words in ((["rollout.top_p=0.9"], "rollout.top_p=0.9"), (["rollout.top_k=5"], "rollout.top_k=5"),
+                       (["model.lora.enabled=true"], "gets full weights only")):
+        with pytest.raises(ConfigError, match=words):
+            load_config("default", ["rollout.backend=vllm", *bad])
+
+
 def test_weight_buckets_hold_whole_layers():
     cfg = ModelConfig.preset("tiny", vocab_size=64)
     sd = CausalLM.from_config(cfg, seed=0).state_dict()
