@@ -59,3 +59,24 @@ def test_bench_rollout_command_writes_the_json_schema(tmp_path) -> None:
     assert bad.exit_code == 2 and "tiny or small" in bad.output
     bad = CliRunner().invoke(app, ["rollout", "--out", str(out), "--timer", "gpu"])
     assert bad.exit_code == 2 and "wall or cpu" in bad.output
+
+
+def test_bench_rollout_backends_option() -> None:
+    from fuseflow.rollout.bench import parse_backends, summary_line
+
+    assert parse_backends("hf,engine") == ("engine", "hf")  # the bench's order, whatever the given one
+    with pytest.raises(ValueError, match="choose from engine, vllm, hf"):
+        parse_backends("engine,sglang")
+    line = summary_line("uniform", {"fuseflow_tok_s": 10.0, "vllm_tok_s": 20.0, "vllm_over_engine": 2.0})
+    assert "fuseflow     10.0" in line and "vllm     20.0" in line and "vllm_over_engine 2.00x" in line
+    app = typer.Typer()
+    register(app)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    bad = CliRunner().invoke(app, ["rollout", "--out", "x.json", "--backends", "engine,sglang"])
+    assert bad.exit_code == 2 and "choose from engine, vllm, hf" in bad.output
+    bad = CliRunner().invoke(app, ["rollout", "--out", "x.json", "--dtype", "float16"])
+    assert bad.exit_code == 2 and "float32 or bfloat16" in bad.output

@@ -151,6 +151,11 @@ class AlgorithmConfig(_Section):
     # as the proximal policy, tokens weighted by min(pi_old / pi_behaviour, is_cap); null means no cap).
     policy_loss: Literal["ppo", "decoupled"] = "ppo"
     is_cap: float | None = Field(2.0, gt=0.0)
+    # Train/rollout mismatch correction (policy_loss=ppo): tis weighs each token by
+    # min(pi_old / pi_behaviour, rollout_is_cap), pi_old from the trainer and pi_behaviour from the
+    # rollout engine (they differ when the rollout runs vLLM, or bf16 against an fp32 trainer).
+    rollout_is: Literal["none", "tis"] = "none"
+    rollout_is_cap: float = Field(2.0, gt=0.0)
     norm_by_std: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -182,8 +187,11 @@ class AlgorithmConfig(_Section):
 class RolloutConfig(_Section):
     # engine (default): continuous batching with a paged KV cache and shared prefixes
     # (fuseflow.rollout.engine); sampler: the foundation's static-batch sampler; hf: plain
-    # transformers `generate` (for comparison).
-    backend: Literal["sampler", "engine", "hf"] = "engine"
+    # transformers `generate` (for comparison); vllm: vLLM's LLMEngine (docs/vllm.md; `make vllm` on CPU).
+    backend: Literal["sampler", "engine", "hf", "vllm"] = "engine"
+    # vllm: the rollout's dtype (auto: the model's); bf16 against an fp32 trainer is what rollout_is=tis corrects.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    weight_bucket_mb: float = Field(64.0, gt=0.0)  # vllm: weight sync pushes whole layers in buckets of about this
     max_num_seqs: int = Field(64, gt=0)  # engine: sequence slots
     kv_budget_tokens: int = Field(16384, gt=0)  # engine: KV cache budget in tokens
     temperature: float = Field(1.0, gt=0.0)
@@ -410,9 +418,13 @@ class Config(_Section):
             return self
         if self.backend != "local":
             self._rollout_pool_fits(what)
-        if self.rollout.backend != "engine":
+            if self.rollout.backend == "vllm":
+                raise ValueError(f"{what} with rollout.backend=vllm runs its vLLM engines on threads of this "
+                                 f"process: it needs backend=local (got backend={self.backend}); vLLM inside "
+                                 "Ray rollout replicas is not wired yet")
+        if self.rollout.backend not in ("engine", "vllm"):
             raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
-                             f"rollout.backend=engine (got {self.rollout.backend})")
+                             f"rollout.backend=engine or vllm (got {self.rollout.backend})")
         if s.asynchronous and self.algorithm.policy_loss != "decoupled":
             raise ValueError(f"schedule.mode={s.mode} trains on samples of an older policy; it needs "
                              f"algorithm.policy_loss=decoupled (got {self.algorithm.policy_loss})")
@@ -514,10 +526,34 @@ class Config(_Section):
         if self.model.lora.enabled and self.rollout.backend == "hf":
             raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=hf "
                              "keeps a second full copy without them: use rollout.backend=engine (or sampler)")
+        self._rollout_backend_fits()
+        if a.rollout_is == "tis" and a.policy_loss == "decoupled":
+            raise ValueError("algorithm.rollout_is=tis weighs tokens by min(pi_old / pi_behaviour, cap), which "
+                             "algorithm.policy_loss=decoupled already does (algorithm.is_cap); drop rollout_is "
+                             "or use policy_loss=ppo")
         if a.kl_target is not None and a.kl_coef == 0:
             raise ValueError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 and would "
                              "stay 0; set algorithm.kl_coef>0 as the starting value, or drop kl_target")
         return self
+
+    def _rollout_backend_fits(self) -> None:
+        r = self.rollout
+        if r.backend != "vllm":
+            if r.dtype != "auto":
+                raise ValueError(f"rollout.dtype={r.dtype} applies to rollout.backend=vllm only; the {r.backend} "
+                                 "backend decodes with the trainer's model (set device's dtype instead)")
+            return
+        from fuseflow.rollout.vllm_backend import INSTALL_HINT, vllm_available
+
+        if not vllm_available():
+            raise ValueError(INSTALL_HINT)
+        if r.top_k > 0 or r.top_p < 1.0:
+            raise ValueError(f"rollout.top_k={r.top_k} rollout.top_p={r.top_p}: with rollout.backend=vllm the "
+                             "behaviour log-probs would be renormalised over the kept tokens; use top_k=0 top_p=1, "
+                             "or rollout.backend=engine")
+        if self.model.lora.enabled:
+            raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=vllm "
+                             "gets full weights only: use rollout.backend=engine")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

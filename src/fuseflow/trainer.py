@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fuseflow.algorithms import kl_penalty, masked_mean
+from fuseflow.algorithms import kl_penalty, masked_mean, rollout_mismatch
 from fuseflow.checkpoint import latest_checkpoint, read_state, save_checkpoint
 from fuseflow.config import Config
 from fuseflow.controller.cluster import make_cluster
@@ -184,7 +184,7 @@ class RLTrainer:
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
-            self.actor.sync_weights(step)  # in-process: shared weights, the version moves on
+            metrics |= self.actor.sync_weights(step) or {}  # in-process: shared weights (vLLM: pushed, timed)
         metrics |= self.strategy.step_metrics(step)  # worker-seconds, busy fractions, long tail
         seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())
@@ -204,16 +204,18 @@ class RLTrainer:
         lengths = mask.sum(-1)
         prompt_lengths = batch["attention_mask"].sum(-1) - lengths  # (B,)
         kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k3")
-        diff = ((batch["behavior_logprobs"] - batch["old_logprobs"]).abs() * mask).max()
         out = {"reward/mean": float(torch.nan_to_num(batch["scores"]).mean()),
                "rollout/response_length_mean": float(lengths.mean()),
                "rollout/response_length_max": float(lengths.max()),
                "rollout/response_length_min": float(lengths.min()),
                "rollout/prompt_length_mean": float(prompt_lengths.float().mean()),
                "rollout/prompt_length_max": float(prompt_lengths.max()),
-               "rollout/num_samples": float(len(batch)), "rollout/logprob_diff_max": float(diff),
+               "rollout/num_samples": float(len(batch)),
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}
+        # Train/rollout mismatch: 0 on the engine in the trainer's dtype, visible on vLLM or bf16 rollouts.
+        mismatch = rollout_mismatch(batch["behavior_logprobs"], batch["old_logprobs"], mask)
+        out |= {f"rollout/{k}": v for k, v in mismatch.items()}
         if self.task.has_reward:  # a task scored by a reward model alone has no correct answer
             out["reward/accuracy"] = float(batch["correct"].mean())
         if "rm_scores" in batch:  # learned RM and the task function (hidden gold rule) side by side

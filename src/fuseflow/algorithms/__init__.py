@@ -16,7 +16,13 @@ from fuseflow.algorithms.advantages import (
 )
 from fuseflow.algorithms.aggregation import AGG_MODES, aggregate, aggregation_counts
 from fuseflow.algorithms.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
-from fuseflow.algorithms.losses import decoupled_policy_loss, ppo_policy_loss, value_loss
+from fuseflow.algorithms.losses import (
+    decoupled_policy_loss,
+    ppo_policy_loss,
+    rollout_mismatch,
+    truncated_is_weight,
+    value_loss,
+)
 from fuseflow.algorithms.masked import masked_mean, masked_sum, masked_whiten
 from fuseflow.algorithms.registry import (
     ADVANTAGES,
@@ -38,6 +44,8 @@ __all__ = [
     "aggregate",
     "aggregation_counts",
     "call_with_inputs",
+    "rollout_mismatch",
+    "truncated_is_weight",
     "decoupled_policy_loss",
     "dr_grpo",
     "gae",

@@ -18,7 +18,7 @@ from fuseflow.algorithms.aggregation import Count, aggregate
 from fuseflow.algorithms.masked import as_bool_mask, check_same_shape, masked_mean
 from fuseflow.algorithms.registry import register_policy_loss
 
-__all__ = ["ppo_policy_loss", "decoupled_policy_loss", "value_loss"]
+__all__ = ["ppo_policy_loss", "decoupled_policy_loss", "rollout_mismatch", "truncated_is_weight", "value_loss"]
 
 
 def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
@@ -88,6 +88,8 @@ def ppo_policy_loss(
     num_global_tokens: Count | None = None,
     num_global_seqs: Count | None = None,
     norm_len: int | None = None,
+    behavior_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clipping (DAPO's clip-higher) and dual clip.
 
@@ -96,16 +98,70 @@ def ppo_policy_loss(
     ``c > 1``, for ``A < 0``: ``l = min(l, -c * A)`` (Ye et al. 2020). Reduced by
     :func:`aggregate` with ``agg``. ``advantages`` is (B,) (one per sequence) or (B, T).
 
+    With ``tis_cap`` (``algorithm.rollout_is=tis``), each token is weighted by the truncated
+    importance ratio between the trainer's old log-probs and the rollout's behaviour log-probs,
+    ``w = min(exp(logp_old - logp_behav), tis_cap)`` (detached; see :func:`truncated_is_weight`):
+    the rollout engine (vLLM in bf16, say) samples from a slightly different distribution than
+    the trainer computes, and TIS (Yao et al. 2025; verl, TRL) corrects for it.
+
     Metrics: ``clip_frac`` (tokens where the clipped branch is taken), ``approx_kl``
     (mean k3 estimate ``(r - 1) - log r`` of KL(old || new)), ``ratio_mean``,
-    ``dual_clip_frac`` (tokens capped by the dual clip).
+    ``dual_clip_frac`` (tokens capped by the dual clip); with TIS also ``is_weight_mean``
+    and ``is_cap_frac``.
     """
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask)
     _check_clip(clip_low, clip_high, dual_clip)
     m = as_bool_mask(mask, logprobs)
     loss_mat, metrics = _clipped_surrogate(logprobs, old_logprobs, advantages, m, clip_low, clip_high, dual_clip)
+    if tis_cap is not None:
+        if behavior_logprobs is None:
+            raise ValueError("tis_cap is set but behavior_logprobs is None: TIS weighs by pi_old / pi_behaviour")
+        check_same_shape(logprobs=logprobs, behavior_logprobs=behavior_logprobs)
+        weight, is_metrics = truncated_is_weight(old_logprobs, behavior_logprobs, m, tis_cap, "tis_cap")
+        loss_mat = loss_mat * weight.to(loss_mat.dtype)
+        metrics |= is_metrics
     loss = aggregate(loss_mat, m, agg, num_global_tokens, num_global_seqs, norm_len)
     return loss, metrics
+
+
+def rollout_mismatch(behavior_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                     threshold: float = 0.1) -> dict[str, float]:
+    """How far the rollout's behaviour log-probs are from the trainer's, over masked-in tokens (B, T).
+
+    Returns ``logprob_diff_max`` and ``logprob_diff_mean`` (of ``|behaviour - old|``) and
+    ``logprob_diff_frac`` (share of tokens whose difference exceeds ``threshold``). Zero for an
+    engine that shares the trainer's weights and arithmetic; vLLM, or a bf16 rollout against an
+    fp32 trainer, shows here what ``algorithm.rollout_is=tis`` corrects.
+    """
+    check_same_shape(behavior_logprobs=behavior_logprobs, old_logprobs=old_logprobs, mask=mask)
+    m = as_bool_mask(mask, old_logprobs)
+    zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    diff = torch.where(m, (behavior_logprobs.to(old_logprobs.dtype) - old_logprobs).abs(), zero)
+    n = int(m.sum())
+    if n == 0:
+        return {"logprob_diff_max": 0.0, "logprob_diff_mean": 0.0, "logprob_diff_frac": 0.0}
+    return {"logprob_diff_max": float(diff.max()), "logprob_diff_mean": float(diff.sum()) / n,
+            "logprob_diff_frac": float((diff > threshold).sum()) / n}
+
+
+def truncated_is_weight(num_logprobs: torch.Tensor, den_logprobs: torch.Tensor, m: torch.Tensor,
+                        cap: float | None, name: str = "is_cap") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token ``min(exp(num - den), cap)`` (B, T), detached, 0 where ``m`` is False.
+
+    Metrics: ``is_weight_mean`` (after truncation) and ``is_cap_frac`` (tokens truncated), masked
+    means. ``cap=None`` leaves the ratio untruncated. ``name`` is the setting an error names.
+    """
+    if cap is not None and not cap > 0:
+        raise ValueError(f"{name}={cap} must be > 0 (the truncation of the importance ratio), or None")
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=num_logprobs.dtype, device=num_logprobs.device)
+        weight = torch.exp(torch.where(m, num_logprobs - den_logprobs, zero))
+        capped = torch.zeros_like(m) if cap is None else m & (weight > cap)
+        if cap is not None:
+            weight = torch.clamp(weight, max=cap)
+        weight = torch.where(m, weight, zero)
+        metrics = {"is_weight_mean": masked_mean(weight, m), "is_cap_frac": masked_mean(capped.to(weight.dtype), m)}
+    return weight, metrics
 
 
 @register_policy_loss("decoupled")
@@ -141,20 +197,13 @@ def decoupled_policy_loss(
     check_same_shape(logprobs=logprobs, proximal_logprobs=proximal_logprobs,
                      behavior_logprobs=behavior_logprobs, mask=mask)
     _check_clip(clip_low, clip_high, dual_clip)
-    if is_cap is not None and not is_cap > 0:
-        raise ValueError(f"is_cap={is_cap} must be > 0 (the truncation of pi_prox/pi_behav), or None")
     m = as_bool_mask(mask, logprobs)
+    weight, is_metrics = truncated_is_weight(proximal_logprobs.to(logprobs.dtype), behavior_logprobs.to(logprobs.dtype),
+                                             m, is_cap)
     loss_mat, metrics = _clipped_surrogate(logprobs, proximal_logprobs, advantages, m, clip_low, clip_high,
                                            dual_clip)
-    with torch.no_grad():
-        zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-        weight = torch.exp(torch.where(m, proximal_logprobs - behavior_logprobs, zero).to(logprobs.dtype))
-        capped = torch.zeros_like(m) if is_cap is None else m & (weight > is_cap)
-        if is_cap is not None:
-            weight = torch.clamp(weight, max=is_cap)
-        metrics["is_weight_mean"] = masked_mean(weight, m)
-        metrics["is_cap_frac"] = masked_mean(capped.to(weight.dtype), m)
     loss = aggregate(loss_mat * weight, m, agg, num_global_tokens, num_global_seqs, norm_len)
+    metrics |= is_metrics
     return loss, metrics
 
 

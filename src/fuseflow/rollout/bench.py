@@ -1,4 +1,4 @@
-"""`fuseflow bench rollout`: the engine against plain transformers `generate`, in one process.
+"""`fuseflow bench rollout`: the engine against vLLM and plain transformers `generate`, in one process.
 
 Both sides get the same weights, the same requests and the same number of generated tokens per
 request (EOS is never a stop token and every request has its own target length, its
@@ -9,7 +9,9 @@ the kernels HF runs on), which separates what scheduling and KV handling gain fr
 matmuls gain. The three sides run interleaved in one process (an engine step or an HF batch at a
 time, always advancing the side least far along), so a burst of load from other processes hits all
 of them alike; each repeat is a fresh interleaved run and the median per side is reported.
-Wall-clock and process-CPU times are both recorded.
+Wall-clock and process-CPU times are both recorded. With `--backends ...,vllm` vLLM's engine
+(`rollout.vllm_backend`, started once before timing, prefix cache reset per repeat) is one more
+side on the same weights and requests; `--dtype bfloat16` runs every side in bf16.
 
 Workloads (full size; `--quick` divides request counts and the length cap by 4):
   uniform    64 requests, prompts of 16-128 tokens, every response 96 tokens
@@ -127,73 +129,130 @@ def _interleave(sides: list[_Side]) -> None:
         min((s for s in sides if not s.finished), key=lambda s: s.done / s.total).advance()
 
 
-def bench_workload(model: CausalLM, name: str, slots: int, quick: bool, repeats: int, timer: str = "wall",
-                   log=print) -> dict:
-    """Time the engine, the engine on plain torch matmuls, and HF on one workload, interleaved; report medians.
+BACKENDS = ("engine", "vllm", "hf")
+SIDES = {"engine": ("fuseflow", "fuseflow_torch_linear"), "vllm": ("vllm",), "hf": ("hf",)}
 
-    `timer` picks the headline: "wall" (elapsed time) or "cpu" (process CPU time, which leaves out
-    the time other processes held the cores; meaningful with one torch thread on a shared CPU).
+
+def bench_workload(model: CausalLM, name: str, slots: int, quick: bool, repeats: int, timer: str = "wall",
+                   log=print, backends: tuple[str, ...] = ("engine", "hf"), vllm_dtype: str = "auto") -> dict:
+    """Time the chosen backends on one workload, interleaved; report medians.
+
+    ``engine`` runs twice (as configured and with plain torch matmuls), ``hf`` is transformers
+    ``generate``, ``vllm`` is vLLM's engine (``rollout.vllm_backend``) on the same weights in
+    ``vllm_dtype``, started once before timing (its start-up is not counted). `timer` picks the
+    headline: "wall" (elapsed time) or "cpu" (process CPU time, which leaves out the time other
+    processes held the cores; meaningful with one torch thread on a shared CPU).
     """
     from fuseflow.rollout.engine import Engine, EngineConfig
     from fuseflow.rollout.hf_backend import HFBackend
 
     reqs, info = make_workload(name, quick)
-    hf = HFBackend(model, pad_id=0, batch_size=slots)
+    hf = HFBackend(model, pad_id=0, batch_size=slots) if "hf" in backends else None
     # Half of the KV budget is the paged pool, half the decode copy: each holds every slot at its longest
     # (rounded up to a block), so nothing is preempted. HF's cache peaks at the same size, since each
-    # step's torch.cat builds a new cache while the old one is alive.
+    # step's torch.cat builds a new cache while the old one is alive. vLLM gets the pool's size.
     longest = -(-(max(len(r.prompt_ids) for r in reqs) + info["response_len_max"]) // 16) * 16
     cfg = dict(max_num_seqs=slots, kv_budget_tokens=2 * slots * longest, block_size=16,
                max_num_batched_tokens=max(2048, slots))
+    vllm = None
+    if "vllm" in backends:
+        from fuseflow.rollout.vllm_backend import VLLMBackend
+
+        vllm = VLLMBackend(model, dtype=vllm_dtype, max_num_seqs=slots, kv_budget_tokens=slots * longest,
+                           max_num_batched_tokens=max(2048, slots))
+        vllm.start()
     n_tok = info["generated_tokens"]
-    names = ("fuseflow", "fuseflow_torch_linear", "hf")
+    names = [side for b in BACKENDS if b in backends for side in SIDES[b]]
     times: dict[str, list[float]] = {f"{n}_{t}_s": [] for n in names for t in ("wall", "cpu")}
     stats: dict = {}
     for rep in range(repeats):
-        engine = Engine(model, EngineConfig(**cfg))  # fresh per run: no prefix cache carried over
-        plain = Engine(model, EngineConfig(**cfg, linear_kernel="torch"))
-        sides = [_Side("fuseflow", n_tok, _engine_units(engine, reqs)),
-                 _Side("fuseflow_torch_linear", n_tok, _engine_units(plain, reqs)),
-                 _Side("hf", n_tok, _hf_units(hf, reqs))]
-        _interleave(sides[rep % 3:] + sides[: rep % 3])  # ties go to a different side each repeat
+        sides, engine = [], None
+        if "engine" in backends:
+            engine = Engine(model, EngineConfig(**cfg))  # fresh per run: no prefix cache carried over
+            plain = Engine(model, EngineConfig(**cfg, linear_kernel="torch"))
+            sides += [_Side("fuseflow", n_tok, _engine_units(engine, reqs)),
+                      _Side("fuseflow_torch_linear", n_tok, _engine_units(plain, reqs))]
+        if vllm is not None:
+            vllm.reset_prefix_cache()  # as the fresh engines: no prefix cache carried over
+            sides.append(_Side("vllm", n_tok, _engine_units(vllm, reqs)))
+        if hf is not None:
+            sides.append(_Side("hf", n_tok, _hf_units(hf, reqs)))
+        k = rep % len(sides)
+        _interleave(sides[k:] + sides[:k])  # ties go to a different side each repeat
         for side in sides:
             if side.done != n_tok:
                 raise RuntimeError(f"{side.name} generated {side.done} tokens on {name}, expected {n_tok}")
             times[f"{side.name}_wall_s"].append(side.wall)
             times[f"{side.name}_cpu_s"].append(side.cpu)
-        stats = engine.stats
+        stats = engine.stats if engine is not None else {}
         log(f"  {name} rep {rep}: " + " | ".join(f"{s.name} {s.wall:.2f}s wall {s.cpu:.2f}s cpu" for s in sides))
+    if vllm is not None:
+        vllm.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    ours, plain_t, theirs = (med[f"{n}_{timer}_s"] for n in names)
-    return {"fuseflow_tok_s": n_tok / ours, "hf_tok_s": n_tok / theirs, "speedup": theirs / ours, "timer": timer,
-            "speedup_wall": med["hf_wall_s"] / med["fuseflow_wall_s"],
-            "speedup_cpu": med["hf_cpu_s"] / med["fuseflow_cpu_s"],
-            "fuseflow_torch_linear_tok_s": n_tok / plain_t, "speedup_torch_linear": theirs / plain_t,
-            **times, **info,
-            "prefill_tokens_requested": stats["prefill_tokens_requested"],
-            "prefill_tokens_computed": stats["prefill_tokens_computed"], "preemptions": stats["preemptions"]}
+    out: dict = {f"{n}_tok_s": n_tok / med[f"{n}_{timer}_s"] for n in names}
+    out["timer"] = timer
+
+    def ratio(a: str, b: str, t: str = timer) -> float:  # how many times faster a is than b
+        return med[f"{b}_{t}_s"] / med[f"{a}_{t}_s"]
+
+    if "engine" in backends and "hf" in backends:
+        out |= {"speedup": ratio("fuseflow", "hf"), "speedup_wall": ratio("fuseflow", "hf", "wall"),
+                "speedup_cpu": ratio("fuseflow", "hf", "cpu"), "speedup_torch_linear": ratio("fuseflow_torch_linear", "hf")}
+    if vllm is not None:
+        out["vllm_dtype"] = vllm_dtype
+        if "engine" in backends:
+            out["vllm_over_engine"] = ratio("vllm", "fuseflow")
+        if "hf" in backends:
+            out["vllm_over_hf"] = ratio("vllm", "hf")
+    out |= times | info
+    if stats:
+        out |= {k: stats[k] for k in ("prefill_tokens_requested", "prefill_tokens_computed", "preemptions")}
+    return out
 
 
 def run_bench(model_name: str, quick: bool, slots: int, repeats: int, threads: int | None, timer: str = "wall",
-              workloads: tuple[str, ...] = WORKLOADS, log=print) -> dict:
-    """The whole benchmark as a JSON-ready dict (see the module docstring)."""
+              workloads: tuple[str, ...] = WORKLOADS, log=print, backends: tuple[str, ...] = ("engine", "hf"),
+              dtype: str = "float32") -> dict:
+    """The whole benchmark as a JSON-ready dict (see the module docstring); every side runs in `dtype`."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     if threads is not None:
         torch.set_num_threads(threads)
     cfg = ModelConfig.preset(model_name, vocab_size=VOCAB)
-    model = CausalLM.from_config(cfg, seed=0).eval()
+    model = CausalLM.from_config(cfg, seed=0).eval().to(getattr(torch, dtype))
     load_before = os.getloadavg()
     result = {"model": model_name, "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
-              "dtype": "float32", "params": model.num_parameters(), "vocab_size": VOCAB, "slots": slots,
-              "repeats": repeats, "quick": quick, "workloads": {}}
+              "dtype": dtype, "params": model.num_parameters(), "vocab_size": VOCAB, "slots": slots,
+              "repeats": repeats, "quick": quick, "backends": list(backends), "workloads": {}}
     for name in workloads:
         log(f"{model_name} / {name}")
-        result["workloads"][name] = bench_workload(model, name, slots, quick, repeats, timer, log)
+        result["workloads"][name] = bench_workload(model, name, slots, quick, repeats, timer, log, backends, dtype)
     result["load_avg_before_after"] = [load_before[0], os.getloadavg()[0]]
     return result
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """``--backends engine,vllm,hf`` as a tuple in the bench's order; ValueError naming a wrong entry."""
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    wrong = [b for b in names if b not in BACKENDS]
+    if wrong or not names:
+        raise ValueError(f"--backends {text!r}: choose from {', '.join(BACKENDS)} (comma-separated)")
+    if "vllm" in names:
+        from fuseflow.rollout.vllm_backend import INSTALL_HINT, vllm_available
+
+        if not vllm_available():
+            raise ValueError(INSTALL_HINT.replace("rollout.backend=vllm", "--backends vllm"))
+    return tuple(b for b in BACKENDS if b in names)
+
+
+def summary_line(name: str, w: dict) -> str:
+    """One line per workload: tok/s of each side and the ratios between them."""
+    sides = " ".join(f"{k.removesuffix('_tok_s')} {v:8.1f}" for k, v in w.items() if k.endswith("_tok_s"))
+    ratios = " ".join(f"{k} {w[k]:.2f}x" for k in ("speedup", "speedup_torch_linear", "vllm_over_engine",
+                                                    "vllm_over_hf") if k in w)
+    return f"{name:10s} tok/s: {sides}   {ratios}"
 
 
 def register(bench_app) -> None:
@@ -210,18 +269,30 @@ def register(bench_app) -> None:
         threads: int = typer.Option(0, "--threads", help="torch threads for both sides (0: torch default)."),
         timer: str = typer.Option("wall", "--timer", help="Headline timer: wall, or cpu (process CPU time; "
                                   "use with --threads 1 on a shared machine). Both are always recorded."),
+        backends: str = typer.Option("engine,hf", "--backends", help="Comma-separated sides: engine (fuseflow's, "
+                                     "also run on plain torch matmuls), vllm (needs vLLM: `make vllm`), hf."),
+        dtype: str = typer.Option("float32", "--dtype", help="Weights and compute dtype: float32 or bfloat16."),
+        workload: str = typer.Option("all", "--workload", help="uniform, long_tail, groups, or all."),
     ) -> None:
-        """Engine vs transformers generate on uniform, long_tail and groups workloads; JSON to --out."""
+        """fuseflow's engine vs vLLM vs transformers generate on uniform, long_tail and groups workloads; JSON to --out."""
         if model not in ("tiny", "small"):
             raise typer.BadParameter(f"--model must be tiny or small, got {model!r}")
         if timer not in ("wall", "cpu"):
             raise typer.BadParameter(f"--timer must be wall or cpu, got {timer!r}")
+        if dtype not in ("float32", "bfloat16"):
+            raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+        if workload != "all" and workload not in WORKLOADS:
+            raise typer.BadParameter(f"--workload must be one of {', '.join(WORKLOADS)} or all, got {workload!r}")
         if slots < 1 or repeats < 1 or threads < 0:
             raise typer.BadParameter(f"--slots and --repeats must be >= 1 and --threads >= 0, got "
                                      f"{slots}, {repeats}, {threads}")
-        result = run_bench(model, quick, slots, 1 if quick else repeats, threads or None, timer, log=typer.echo)
+        try:
+            sides = parse_backends(backends)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        result = run_bench(model, quick, slots, 1 if quick else repeats, threads or None, timer,
+                           WORKLOADS if workload == "all" else (workload,), typer.echo, sides, dtype)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         for name, w in result["workloads"].items():
-            typer.echo(f"{name:10s} fuseflow {w['fuseflow_tok_s']:8.1f} tok/s   hf {w['hf_tok_s']:8.1f} tok/s   "
-                       f"speedup {w['speedup']:.2f}x   (torch matmuls: {w['speedup_torch_linear']:.2f}x)")
+            typer.echo(summary_line(name, w))

@@ -85,7 +85,7 @@ class Pooled(Strategy):
         else:  # async decodes while the actor trains, so the rollout needs weights of its own
             model = stages.roles.actor.rollout_model(copy=self.asynchronous)
             self.pool = RolloutPool(model, s.rollout_workers, EngineConfig(r.max_num_seqs, r.kv_budget_tokens),
-                                    stages.tokenizer, self.tracer, first_track=1)
+                                    stages.tokenizer, self.tracer, first_track=1, make_engine=engine_factory(cfg))
         self.replicas = 0 if self.elastic else len(self.pool)
         self.infer_track = s.rollout_workers + 1
         self.tracer.name_track(self.infer_track, "inference")
@@ -117,7 +117,7 @@ class Pooled(Strategy):
         if self.asynchronous and step < self.stages.cfg.trainer.steps:
             self._start_prefetch(step + 1)
         batch, more = self.stages.assemble(step, gen)
-        metrics |= more | {"schedule/migrated_samples": float(gen.migrated)}
+        metrics |= more | {"schedule/migrated_samples": float(gen.migrated)} | self.pool.sync_metrics
         if self.asynchronous:
             versions = batch.meta["policy_version"]
             check_staleness(versions, step, s.max_staleness, batch.meta["uid"])
@@ -443,6 +443,15 @@ def make_strategy(stages: Stages, resumed_from: Path | None = None, start_step: 
     if s.mode == "sequential" and s.rollout_workers == 1 and stages.roles.rollout is None:
         return Sequential(stages)
     return MODES[s.mode](stages, resumed_from, start_step)
+
+
+def engine_factory(cfg) -> Callable[[torch.nn.Module], Any] | None:
+    """How the pool makes a rollout worker's engine: None (fuseflow's engine) unless rollout.backend=vllm."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    from fuseflow.workers.build import rollout_backend
+
+    return lambda model: rollout_backend(cfg, model, None)
 
 
 def _by_length(samples: list[Sample], budget: int) -> list[list[Sample]]:

@@ -89,11 +89,15 @@ class RolloutPool:
     when it sat idle.
     """
 
-    def __init__(self, model: torch.nn.Module, n: int, config: EngineConfig, tokenizer, tracer, first_track: int):
+    def __init__(self, model: torch.nn.Module, n: int, config: EngineConfig, tokenizer, tracer, first_track: int,
+                 make_engine: Callable[[torch.nn.Module], Engine] | None = None):
         if n < 1:
             raise ValueError(f"schedule.rollout_workers must be >= 1, got {n}")
         self.model, self.config, self.tracer = model, config, tracer
-        self.engines = [Engine(model, config, tokenizer=tokenizer) for _ in range(n)]
+        # make_engine: another backend with the engine's interface (rollout.backend=vllm); default fuseflow's.
+        self.engines = [make_engine(model) if make_engine else Engine(model, config, tokenizer=tokenizer)
+                        for _ in range(n)]
+        self.sync_metrics: dict[str, float] = {}  # the last update_weights' (backends that copy weights)
         self.tracks = [first_track + i for i in range(n)]
         for i, t in enumerate(self.tracks):
             tracer.name_track(t, f"rollout-{i}")
@@ -119,6 +123,7 @@ class RolloutPool:
         """The weights changed in place (or were copied in): stamp the version, drop stale prefix KV."""
         for e in self.engines:
             e.update_weights(version)
+        self.sync_metrics = dict(getattr(self.engines[0], "sync_metrics", {}))
 
     @property
     def policy_version(self) -> int:
@@ -227,7 +232,7 @@ class RolloutPool:
             if engine.has_unfinished():
                 with self.tracer.span("generate", step, track=track):
                     while engine.has_unfinished():
-                        rows, t0 = len(engine.scheduler.running), time.perf_counter()
+                        rows, t0 = engine.running_rows(), time.perf_counter()
                         done = engine.step()
                         self.step_log.append((rows, time.perf_counter() - t0))
                         for s in done:
@@ -260,15 +265,12 @@ class RolloutPool:
         """Unfinished samples per worker, with their KV held now and tokens still allowed."""
         out: dict[int, list[PendingSample]] = {}
         for i, e in enumerate(self.engines):
-            with e._lock:
-                seqs = [*e.scheduler.running, *e.scheduler.waiting]
-                out[i] = [PendingSample(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens))
-                          for s in seqs]
+            out[i] = [PendingSample(*row) for row in e.pending_samples()]
         return out
 
     def budgets(self) -> dict[int, WorkerBudget]:
         c = self.config
-        return {i: WorkerBudget(c.max_num_seqs, e.num_blocks * c.block_size) for i, e in enumerate(self.engines)}
+        return {i: WorkerBudget(c.max_num_seqs, e.kv_capacity_tokens()) for i, e in enumerate(self.engines)}
 
     def migrate(self, plan: MigrationPlan, step: int) -> int:
         """Abort the moved samples on their sources and resume them on their targets; returns how many moved.

@@ -168,7 +168,8 @@ class ActorWorker(TrainableRole, ReferenceWorker):
                     self.policy_loss, logprobs=logp, old_logprobs=mb["old_logprobs"],
                     proximal_logprobs=mb["old_logprobs"], behavior_logprobs=mb["behavior_logprobs"],
                     advantages=mb["advantages"], mask=mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                    is_cap=algo.is_cap, agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
+                    is_cap=algo.is_cap, tis_cap=algo.rollout_is_cap if algo.rollout_is == "tis" else None,
+                    agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
                     norm_len=self.norm_len)
                 loss = pg_loss
                 if not algo.kl_in_reward and kl_coef > 0:
@@ -196,7 +197,9 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             self.tokenizer.save_pretrained(str(Path(ckpt_dir) / self.role))
 
     @register("one_to_all", collect="rank_zero")
-    def sync_weights(self, version: int) -> None:
-        """Hand the updated weights to the rollout (in-process: shared, only the version moves)."""
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Hand the updated weights to the rollout (in-process: shared, only the version moves; a backend
+        with its own copy, vLLM, gets them pushed). Returns the backend's sync metrics (time, MB), if any."""
         self.sync_plain()
         self.rollout.update_weights(version)
+        return dict(getattr(self.rollout, "sync_metrics", {}))

@@ -57,17 +57,22 @@ class RoleContext:
 
 def rollout_backend(cfg: Config, model: CausalLM, tokenizer):
     """The configured rollout backend over ``model``'s own weights (shared in-process, except hf)."""
-    r, pad = cfg.rollout, tokenizer.pad_token_id
+    r = cfg.rollout
     if r.backend == "engine":
         from fuseflow.rollout.engine import Engine, EngineConfig
 
         return Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
                       tokenizer=tokenizer)
+    if r.backend == "vllm":
+        from fuseflow.rollout.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model, dtype=r.dtype, max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens,
+                           weight_bucket_mb=r.weight_bucket_mb)
     if r.backend == "hf":
         from fuseflow.rollout.hf_backend import HFBackend
 
-        return HFBackend(model, pad_id=pad, batch_size=r.max_num_seqs)
-    return Sampler(model, pad)
+        return HFBackend(model, pad_id=tokenizer.pad_token_id, batch_size=r.max_num_seqs)
+    return Sampler(model, tokenizer.pad_token_id)
 
 
 # (ref_dir, rank) -> the base view of the LoRA actor built in this process, for the reference role.

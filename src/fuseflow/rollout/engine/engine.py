@@ -162,6 +162,21 @@ class Engine(RolloutBackend):
             self._release_if_idle()
             return out
 
+    # ------------------------------------------------------------------------------------ for the pool
+    def running_rows(self) -> int:
+        """Sequences decoding now (the rollout pool logs it per step)."""
+        return len(self.scheduler.running)
+
+    def pending_samples(self) -> list[tuple[int, int, int, int]]:
+        """(uid, response tokens so far, tokens still allowed, tokens held) of each unfinished sample."""
+        with self._lock:
+            return [(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens))
+                    for s in [*self.scheduler.running, *self.scheduler.waiting]]
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the paged KV pool holds."""
+        return self.num_blocks * self.config.block_size
+
     def _release_if_idle(self) -> None:
         """With no request left, the decode copy of the KV cache holds nothing worth keeping."""
         if not self.scheduler.has_unfinished():
