@@ -187,3 +187,18 @@ def test_the_killer_finds_only_this_process_s_ray_workers_and_kills_at_the_logge
     while worker_pids() and time.time() < deadline:
         time.sleep(0.1)
     assert worker_pids() == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "40", "--kill-every", "50"], "error: --kill-every=50 must be smaller than --steps=40"),
+    (["--max-restarts", "2"], "error: 3 kills need --max-restarts>=3 (got 2)"),
+    (["trainer.stepz=3"], "error: trainer.stepz: unknown key"),
+])
+def test_bench_recovery_bad_input_is_one_line_before_any_run(argv, message, tmp_path):
+    from typer.testing import CliRunner
+
+    from fuseflow.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "recovery", "--work-dir", str(tmp_path / "w"), *argv])
+    assert result.exit_code == 2 and result.stderr.startswith(message), result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "w").exists()
