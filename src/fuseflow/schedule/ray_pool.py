@@ -47,6 +47,9 @@ class RayRolloutPool:
         for i, t in enumerate(self.tracks):
             tracer.name_track(t, f"rollout-{i}")
         self.migrated = 0
+        # The threaded pool reports an in-process backend's own sync here (vLLM); replica syncs are
+        # timed by the strategy (`time/rollout_weight_sync`), so nothing more to add.
+        self.sync_metrics: dict[str, float] = {}
         self.errors: dict[int, BaseException] = {}
         self.live: dict[int, int] = {}  # replica -> streams running on it now
         self.held: list[tuple[int, float, float]] = []  # (replica, start, end) of every stream
