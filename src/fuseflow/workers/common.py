@@ -61,12 +61,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
     """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    tr = batch["response_mask"].shape[1]
-    # Only the last Tr + 1 positions go through the LM head: the prompt's logits are never used, and
-    # with a 49k vocabulary and a long chat prompt they are a large share of the step's time and memory.
-    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
-    logits = logits[:, -(tr + 1):-1].float() / temperature  # (B, Tr, V): positions that predict the response
-    targets = ids[:, -tr:]  # (B, Tr)
+    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    logits = logits[:, response_slice(batch)].float() / temperature  # (B, Tr, V)
+    targets = ids[:, -batch["response_mask"].shape[1]:]  # (B, Tr)
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
