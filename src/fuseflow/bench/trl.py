@@ -153,7 +153,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
         with tempfile.TemporaryDirectory(prefix="fuseflow-bench-trl-") as scratch:
             return run_trl_comparison(cfg, threads, scratch, log)
     tmp = Path(work_dir)
-    log("fuseflow: setting up (SFT warm start, cached after the first run)")
+    log("fuseflow: setting up" + (" (SFT warm start, cached after the first run)" if cfg.sft.enabled else ""))
     ff = RLTrainer(cfg, tmp / "fuseflow", log=log)
     sft_dir = tmp / "fuseflow" / "reference"  # the SFT weights + tokenizer, an HF directory
 
