@@ -79,3 +79,36 @@ class RolloutBackend(ABC):
     def update_weights(self, version: int) -> None:
         """Called after each actor update; in-process backends share the weights and only bump the version."""
         self.policy_version = version
+
+
+class StreamingBackend(RolloutBackend):
+    """A backend that takes requests one by one and steps until idle (fuseflow's engine, vLLM).
+
+    Subclasses provide ``add`` (a request, or a ``PartialState`` to resume), ``step`` (the samples
+    that finished in one step) and ``has_unfinished``; generation and resumption are the same loop.
+    """
+
+    @abstractmethod
+    def add(self, request) -> None:
+        """Queue a request, or a partial state exported by ``abort`` to resume."""
+
+    @abstractmethod
+    def step(self) -> list[Sample]:
+        """Advance every live request once; the samples that finished."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any request is still queued or decoding."""
+
+    def generate(self, requests: Iterable) -> Iterator[Sample]:
+        """Add the requests (or partial states) and step until idle, yielding every sample the moment it
+        finishes (completion order). Samples aborted meanwhile are not yielded."""
+        for r in requests:
+            self.add(r)
+        while self.has_unfinished():
+            yield from self.step()
+
+    def resume(self, partials: Iterable) -> Iterator[Sample]:
+        """Continue samples exported by ``abort`` (from this or another backend with the same weights)."""
+        return self.generate(partials)
+

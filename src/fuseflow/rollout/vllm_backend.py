@@ -37,7 +37,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from fuseflow.models.llama import CausalLM
 
-from .base import RolloutBackend, RolloutRequest, Sample, SamplingParams
+from .base import RolloutRequest, Sample, SamplingParams, StreamingBackend
 from .engine.sequence import PartialState
 
 INSTALL_HINT = ("rollout.backend=vllm needs vLLM, which is not installed: on a CUDA machine "
@@ -107,7 +107,7 @@ class _Live:
                             self.policy_version, self.t_first_token)
 
 
-class VLLMBackend(RolloutBackend):
+class VLLMBackend(StreamingBackend):
     """vLLM's `LLMEngine` over a copy of a `CausalLM`'s weights (or an HF checkpoint directory).
 
     >>> backend = VLLMBackend(model, dtype="bfloat16", kv_budget_tokens=16384)   # doctest: +SKIP
@@ -257,17 +257,6 @@ class VLLMBackend(RolloutBackend):
     def has_unfinished(self) -> bool:
         """Whether any request is still queued or decoding."""
         return bool(self._live)
-
-    def generate(self, requests: Iterable[RolloutRequest | PartialState]) -> Iterator[Sample]:
-        """Add the requests (or partial states) and step until idle, yielding each sample as it finishes."""
-        for r in requests:
-            self.add(r)
-        while self.has_unfinished():
-            yield from self.step()
-
-    def resume(self, partials: Iterable[PartialState]) -> Iterator[Sample]:
-        """Continue samples stopped by `abort` (here or on another vllm backend): prefill prompt + tokens so far."""
-        return self.generate(partials)
 
     def abort(self, uids: Iterable[int]) -> list[PartialState]:
         """Stop these samples and return what they produced so far; unknown uids are ignored."""

@@ -13,7 +13,7 @@ same weights) continues it, giving the same tokens as an uninterrupted run.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fuseflow.models.llama import CausalLM
 
-from ..base import RolloutBackend, RolloutRequest, Sample
+from ..base import RolloutRequest, Sample, StreamingBackend
 from .kv import BlockManager
 from .runner import LINEAR_KERNELS, ModelRunner
 from .sampling import sample_tokens
@@ -87,7 +87,7 @@ class EngineConfig:
         return self.kv_budget_tokens - self.decode_cache_tokens
 
 
-class Engine(RolloutBackend):
+class Engine(StreamingBackend):
     """Continuous batching over a paged KV cache, on a `CausalLM` shared with the trainer (no copy).
 
     >>> engine = Engine(model, EngineConfig(max_num_seqs=32))                      # doctest: +SKIP
@@ -142,18 +142,6 @@ class Engine(RolloutBackend):
     def has_unfinished(self) -> bool:
         """Whether any request is still waiting or running."""
         return self.scheduler.has_unfinished()
-
-    def generate(self, requests: Iterable[RolloutRequest | PartialState]) -> Iterator[Sample]:
-        """Add the requests (or partial states) and run until the engine is idle, yielding every
-        sample the moment it finishes (completion order). Samples aborted meanwhile are not yielded."""
-        for r in requests:
-            self.add(r)
-        while self.has_unfinished():
-            yield from self.step()
-
-    def resume(self, partials: Iterable[PartialState]) -> Iterator[Sample]:
-        """Continue samples exported by `abort` (from this or another engine with the same weights)."""
-        return self.generate(partials)
 
     def abort(self, uids: Iterable[int]) -> list[PartialState]:
         """Stop these samples (waiting or running) and return their state; unknown uids are ignored."""
