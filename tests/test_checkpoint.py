@@ -140,3 +140,26 @@ def test_prune_deletes_only_complete_old_checkpoints(tmp_path):
     assert prune_checkpoints(tmp_path, 1, [{"step": 2, "accuracy": 1.0}]) == [1, 3]
     assert checkpoint_steps(tmp_path) == [2, 4] and latest_checkpoint(tmp_path).name == "step_4"
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_copy_model_dir_links_cache_files_and_copies_user_models(tmp_path):
+    """A run's reference links the files of fuseflow's cache but copies a user's own model directory."""
+    from fuseflow.checkpoint import copy_model_dir
+
+    cache = tmp_path / "cache"
+    cached = cache / "sft" / "abc"
+    user = tmp_path / "my-model"
+    for d in (cached, user):
+        (d / "sub").mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"weights")
+        (d / "sub" / "tokenizer.json").write_text("{}")
+    copy_model_dir(cached, tmp_path / "ref1", cache)
+    copy_model_dir(user, tmp_path / "ref2", cache)
+    for name in ("model.safetensors", "sub/tokenizer.json"):
+        assert (tmp_path / "ref1" / name).stat().st_ino == (cached / name).stat().st_ino
+        assert (tmp_path / "ref2" / name).stat().st_ino != (user / name).stat().st_ino
+        assert (tmp_path / "ref2" / name).read_bytes() == (user / name).read_bytes()
+    # Saving into the user's directory again (same inode, truncated) leaves the run's copy as it was.
+    with open(user / "model.safetensors", "wb") as f:
+        f.write(b"new")
+    assert (tmp_path / "ref2" / "model.safetensors").read_bytes() == b"weights"

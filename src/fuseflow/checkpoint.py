@@ -202,3 +202,24 @@ def _fsync_tree(path: Path) -> None:
         if p.is_file():
             with p.open("rb") as f:
                 os.fsync(f.fileno())
+
+
+def copy_model_dir(src: Path, dst: Path, cache_dir: str | Path) -> None:
+    """Copy a model directory into a run (its ``reference/``), hard-linking files that come from fuseflow's cache.
+
+    The cache (``cache_dir``: SFT models, converted GGUF files) is written only through temporary names and
+    renames, so a file there never changes in place and a link to it is as safe as a copy, without 540 MB of
+    SmolLM2 per run. A user's own model directory is copied: saving into it again (``save_file`` truncates the
+    same inode) must not change the reference of a run that already started. A link that fails (another
+    file system, a file system without links) falls back to a copy.
+    """
+    cache = Path(cache_dir).expanduser().resolve()
+    in_cache = Path(src).resolve().is_relative_to(cache)
+
+    def link_or_copy(s: str, d: str) -> None:
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, dirs_exist_ok=True, copy_function=link_or_copy if in_cache else shutil.copy2)

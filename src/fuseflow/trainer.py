@@ -15,7 +15,6 @@ Everything else here is set-up, checkpointing and bookkeeping around it.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import uuid
 import warnings
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from fuseflow.algorithms import kl_penalty, masked_mean, rollout_mismatch
-from fuseflow.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from fuseflow.checkpoint import copy_model_dir, latest_checkpoint, read_state, save_checkpoint
 from fuseflow.config import Config
 from fuseflow.controller.cluster import make_cluster
 from fuseflow.controller.group import WorkerGroup
@@ -112,7 +111,9 @@ class RLTrainer:
                 sft_dir, curve = model_dir(cfg), []
             else:
                 raise ValueError("sft.enabled=false needs model.path=DIR (a trained model to start RL from)")
-            shutil.copytree(sft_dir, ref_dir.with_suffix(".tmp"), dirs_exist_ok=True)
+            copy_model_dir(sft_dir, ref_dir.with_suffix(".tmp"), cfg.cache_dir)
+            # A new file, not a write into the (possibly hard-linked) cached one.
+            (ref_dir.with_suffix(".tmp") / "sft_curve.json").unlink(missing_ok=True)
             (ref_dir.with_suffix(".tmp") / "sft_curve.json").write_text(json.dumps(curve))
             ref_dir.with_suffix(".tmp").rename(ref_dir)
         self.sft_curve = json.loads((ref_dir / "sft_curve.json").read_text())
