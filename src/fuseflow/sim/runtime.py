@@ -74,20 +74,20 @@ class Consumers:
     def __init__(self, free_at: Sequence[float]):
         self.heap = [(t, i) for i, t in enumerate(free_at)]
         heapq.heapify(self.heap)
-        self.starts: list[float] = []  # start time of each task submitted so far
+        self.latest_start = float("-inf")  # the latest start of a task submitted so far
         self.end = 0.0
 
     def submit(self, at: float, seconds: float) -> None:
         """Queue a task at time `at`; the earliest free consumer runs it."""
         free, i = heapq.heappop(self.heap)
         start = max(at, free)
-        self.starts.append(start)
+        self.latest_start = max(self.latest_start, start)
         self.end = max(self.end, start + seconds)
         heapq.heappush(self.heap, (start + seconds, i))
 
     def pending(self, at: float) -> bool:
-        """Whether a task submitted so far has not started by time `at`."""
-        return any(s > at for s in self.starts)
+        """Whether a task submitted so far has not started by time `at` (O(1): only the latest start matters)."""
+        return self.latest_start > at
 
 
 def rollout_phase(
