@@ -418,10 +418,6 @@ class Config(_Section):
             return self
         if self.backend != "local":
             self._rollout_pool_fits(what)
-            if self.rollout.backend == "vllm":
-                raise ValueError(f"{what} with rollout.backend=vllm runs its vLLM engines on threads of this "
-                                 f"process: it needs backend=local (got backend={self.backend}); vLLM inside "
-                                 "Ray rollout replicas is not wired yet")
         if self.rollout.backend not in ("engine", "vllm"):
             raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
                              f"rollout.backend=engine or vllm (got {self.rollout.backend})")
