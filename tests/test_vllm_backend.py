@@ -45,7 +45,9 @@ def test_config_refuses_what_the_vllm_backend_cannot_do(monkeypatch):
                                   "schedule.rollout_workers=2"])
     assert cfg.rollout.dtype == "bfloat16" and cfg.rollout.weight_bucket_mb == 64.0
     for bad, words in ((["rollout.top_p=0.9"], "rollout.top_p=0.9"), (["rollout.top_k=5"], "rollout.top_k=5"),
-                       (["model.lora.enabled=true"], "gets full weights only")):
+                       (["model.lora.enabled=true"], "gets full weights only"),
+                       (["rollout.kv_budget_tokens=50", "model.max_prompt_len=40", "model.max_response_len=16"],
+                        "rollout.kv_budget_tokens=50 cannot hold one sample of .* = 56 tokens")):
         with pytest.raises(ConfigError, match=words):
             load_config("default", ["rollout.backend=vllm", *bad])
 

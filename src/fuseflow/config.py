@@ -550,6 +550,11 @@ class Config(_Section):
         if self.model.lora.enabled:
             raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=vllm "
                              "gets full weights only: use rollout.backend=engine")
+        longest = self.model.max_prompt_len + self.model.max_response_len
+        if r.kv_budget_tokens < longest:  # found here, not by the first request in a replica process minutes later
+            raise ValueError(f"rollout.kv_budget_tokens={r.kv_budget_tokens} cannot hold one sample of model.max_prompt_len"
+                             f" + model.max_response_len = {longest} tokens (with rollout.backend=vllm it also caps each "
+                             f"sequence); raise rollout.kv_budget_tokens to at least {longest}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
