@@ -44,6 +44,9 @@ def test_config_refuses_what_the_vllm_backend_cannot_do(monkeypatch):
     cfg = load_config("default", ["rollout.backend=vllm", "rollout.dtype=bfloat16", "schedule.mode=fused",
                                   "schedule.rollout_workers=2"])
     assert cfg.rollout.dtype == "bfloat16" and cfg.rollout.weight_bucket_mb == 64.0
+    ray = load_config("default", ["rollout.backend=vllm", "backend=ray", "schedule.mode=fused+async",
+                                  "schedule.rollout_workers=2", "placement.rollout=rollout"])
+    assert ray.placement.rollout == "rollout"  # vLLM in the Ray rollout replicas (refused before they ran it)
     for bad, words in ((["rollout.top_p=0.9"], "rollout.top_p=0.9"), (["rollout.top_k=5"], "rollout.top_k=5"),
                        (["model.lora.enabled=true"], "gets full weights only"),
                        (["rollout.kv_budget_tokens=50", "model.max_prompt_len=40", "model.max_response_len=16"],
