@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -80,3 +81,19 @@ def test_bench_rollout_backends_option() -> None:
     assert bad.exit_code == 2 and "choose from engine, vllm, hf" in bad.output
     bad = CliRunner().invoke(app, ["rollout", "--out", "x.json", "--dtype", "float16"])
     assert bad.exit_code == 2 and "float32 or bfloat16" in bad.output
+
+
+def test_bench_rollout_takes_a_pretrained_model_directory(tmp_path) -> None:
+    from fuseflow.models import CausalLM, ModelConfig
+    from fuseflow.rollout.bench import VOCAB, load_model
+
+    saved = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=VOCAB + 10), seed=3)
+    saved.save_pretrained(tmp_path / "big")
+    got = load_model(str(tmp_path / "big"))
+    assert got.config.vocab_size == VOCAB + 10
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), saved.state_dict().values(), strict=True))
+    CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=100), seed=0).save_pretrained(tmp_path / "small_vocab")
+    with pytest.raises(ValueError, match=r"its vocabulary \(100\) is smaller than the workloads' prompt ids"):
+        load_model(str(tmp_path / "small_vocab"))
+    with pytest.raises(FileNotFoundError, match="neither a preset"):
+        load_model("huge")

@@ -320,7 +320,7 @@ def test_a_dead_rollout_worker_fails_the_step_at_once(tmp_path, sft_cache, monke
     engine.step = dying_step
     t0 = time.perf_counter()
     try:
-        with pytest.raises(RuntimeError, match="rollout worker 0 .*MemoryError: KV pool exhausted") as err:
+        with pytest.raises(RuntimeError, match="rollout worker rank 0 .*MemoryError: KV pool exhausted") as err:
             tr.step(1)
     finally:
         tr.close()

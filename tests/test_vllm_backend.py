@@ -44,8 +44,13 @@ def test_config_refuses_what_the_vllm_backend_cannot_do(monkeypatch):
     cfg = load_config("default", ["rollout.backend=vllm", "rollout.dtype=bfloat16", "schedule.mode=fused",
                                   "schedule.rollout_workers=2"])
     assert cfg.rollout.dtype == "bfloat16" and cfg.rollout.weight_bucket_mb == 64.0
+    ray = load_config("default", ["rollout.backend=vllm", "backend=ray", "schedule.mode=fused+async",
+                                  "schedule.rollout_workers=2", "placement.rollout=rollout"])
+    assert ray.placement.rollout == "rollout"  # vLLM in the Ray rollout replicas (refused before they ran it)
     for bad, words in ((["rollout.top_p=0.9"], "rollout.top_p=0.9"), (["rollout.top_k=5"], "rollout.top_k=5"),
-                       (["model.lora.enabled=true"], "gets full weights only")):
+                       (["model.lora.enabled=true"], "gets full weights only"),
+                       (["rollout.kv_budget_tokens=50", "model.max_prompt_len=40", "model.max_response_len=16"],
+                        "rollout.kv_budget_tokens=50 cannot hold one sample of .* = 56 tokens")):
         with pytest.raises(ConfigError, match=words):
             load_config("default", ["rollout.backend=vllm", *bad])
 
@@ -289,3 +294,88 @@ def test_bench_rollout_times_vllm_beside_the_engine():
     w = bench_workload(model, "uniform", 8, True, 1, "cpu", lambda *_: None, ("engine", "vllm"))
     assert w["vllm_tok_s"] > 0 and w["vllm_over_engine"] == pytest.approx(w["vllm_tok_s"] / w["fuseflow_tok_s"])
     assert "hf_tok_s" not in w and len(w["vllm_cpu_s"]) == 1
+
+
+@pytest.mark.vllm
+def test_a_failing_vllm_step_is_one_line(tiny):
+    from fuseflow.controller.group import WorkerFailure
+
+    _model, backend = tiny
+    reqs = _requests(n=2)
+    backend.start()
+
+    def broken():
+        raise RuntimeError("CPU attention kernel failed\n  (pages of detail)")
+
+    backend.engine.step = broken  # vLLM's own step raises (an instance attribute: the class is untouched)
+    try:
+        with pytest.raises(WorkerFailure) as err:
+            list(backend.generate(reqs))
+    finally:
+        del backend.engine.step
+        backend.abort([r.uid for r in reqs])
+    assert str(err.value) == ("rollout worker rank 0 (vLLM engine in this process) failed in rollout.step: vLLM's "
+                              "engine step raised RuntimeError: CPU attention kernel failed")
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert len(list(backend.generate(reqs))) == 2  # the engine itself was not touched
+
+
+@pytest.mark.vllm
+def test_a_vllm_step_failing_mid_run_ends_the_run_with_one_line(tmp_path, sft_cache, monkeypatch):
+    vllm = pytest.importorskip("vllm")
+    import time
+
+    from fuseflow.bench.trl import QUICK_OVERRIDES
+    from fuseflow.config import load_config
+    from fuseflow.controller.group import WorkerFailure
+    from fuseflow.runner import train
+
+    real, calls = vllm.LLMEngine.step, {"n": 0}
+
+    def failing(self):
+        calls["n"] += 1
+        if calls["n"] == 40:  # some steps into the run, on whichever rollout worker steps then
+            calls["at"] = time.perf_counter()
+            raise RuntimeError("engine core died\nTraceback (most recent call last): ...")
+        return real(self)
+
+    monkeypatch.setattr(vllm.LLMEngine, "step", failing)
+    cfg = load_config("sort", [*QUICK_OVERRIDES, "rollout.backend=vllm", "schedule.mode=fused",
+                               "schedule.rollout_workers=2", "trainer.steps=3", "trainer.eval_every=100",
+                               "trainer.save_every=1", "trainer.eval_size=8", "task.eval_size=8",
+                               f"cache_dir={sft_cache}"])
+    run = tmp_path / "run"
+    with pytest.raises(WorkerFailure) as err:
+        train(cfg, run)
+    message = str(err.value)
+    assert time.perf_counter() - calls["at"] < 30.0
+    assert "\n" not in message
+    assert message.startswith("rollout worker rank ") and "(trace track rollout-" in message, message
+    assert "failed in rollout.step: vLLM's engine step raised RuntimeError: engine core died;" in message, message
+    assert f"resume with: fuseflow train --resume {run}" in message, message
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("damage", ["architecture", "weights"])
+def test_a_model_vllm_cannot_load_is_one_line(tmp_path, damage):
+    pytest.importorskip("vllm")
+    from fuseflow.rollout.vllm_backend import VLLMBackend
+
+    d = tmp_path / "model"
+    CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=V), seed=0).save_pretrained(d)
+    if damage == "architecture":  # a config vLLM has no model class for
+        c = json.loads((d / "config.json").read_text())
+        c["architectures"] = ["NoSuchModelForCausalLM"]
+        (d / "config.json").write_text(json.dumps(c))
+    else:  # a truncated safetensors file
+        f = d / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:1000])
+    backend = VLLMBackend(path=str(d), kv_budget_tokens=256)
+    with pytest.raises(ValueError) as err:
+        backend.start()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"vLLM could not start on {d}: "), message
+    assert message.endswith("or use rollout.backend=engine"), message
+    cause = {"architecture": "ValidationError: Model architectures ['NoSuchModelForCausalLM'] are not supported",
+             "weights": "ValidationError: Expecting property name"}[damage]  # the truncated file's JSON header
+    assert cause in message and len(message) < 600, message

@@ -418,10 +418,6 @@ class Config(_Section):
             return self
         if self.backend != "local":
             self._rollout_pool_fits(what)
-            if self.rollout.backend == "vllm":
-                raise ValueError(f"{what} with rollout.backend=vllm runs its vLLM engines on threads of this "
-                                 f"process: it needs backend=local (got backend={self.backend}); vLLM inside "
-                                 "Ray rollout replicas is not wired yet")
         if self.rollout.backend not in ("engine", "vllm"):
             raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
                              f"rollout.backend=engine or vllm (got {self.rollout.backend})")
@@ -554,6 +550,11 @@ class Config(_Section):
         if self.model.lora.enabled:
             raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=vllm "
                              "gets full weights only: use rollout.backend=engine")
+        longest = self.model.max_prompt_len + self.model.max_response_len
+        if r.kv_budget_tokens < longest:  # found here, not by the first request in a replica process minutes later
+            raise ValueError(f"rollout.kv_budget_tokens={r.kv_budget_tokens} cannot hold one sample of model.max_prompt_len"
+                             f" + model.max_response_len = {longest} tokens (with rollout.backend=vllm it also caps each "
+                             f"sequence); raise rollout.kv_budget_tokens to at least {longest}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

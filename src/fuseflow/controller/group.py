@@ -30,14 +30,22 @@ class WorkerFailure(RuntimeError):
     """
 
     def __init__(self, role: str, rank: int, method: str, cause: str, host: str = "", note: str = ""):
-        self.role, self.rank, self.method, self.cause, self.host = role, rank, method, cause, host
+        self.role, self.rank, self.method, self.cause, self.host, self.note = role, rank, method, cause, host, note
         where = f" ({host})" if host else ""
         super().__init__(f"{role} worker rank {rank}{where} failed in {role}.{method}: {cause}"
                          + (f"; {note}" if note else ""))
 
+    def __reduce__(self):  # picklable (Ray carries it out of a replica process): rebuilt from its fields
+        return WorkerFailure, (self.role, self.rank, self.method, self.cause, self.host, self.note)
+
     def noted(self, note: str) -> WorkerFailure:
         """The same failure with ``note`` appended (e.g. the last checkpoint and how to resume)."""
         return WorkerFailure(self.role, self.rank, self.method, self.cause, self.host, note)
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of an error's message (vLLM's can run to pages)."""
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
 
 
 class Future:

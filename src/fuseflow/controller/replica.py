@@ -30,7 +30,7 @@ import torch
 
 from fuseflow.policy.migration import PendingSample
 from fuseflow.rollout.base import RolloutRequest, Sample
-from fuseflow.rollout.engine import Engine
+from fuseflow.rollout.engine import Engine, EngineConfig
 from fuseflow.rollout.engine.sequence import PartialState
 
 from .group import WorkerFailure
@@ -42,13 +42,19 @@ ROLE = "rollout"  # how errors name a replica: "rollout worker rank i (pool NAME
 
 
 class RolloutReplica:
-    """One rollout replica process: ``builder()`` makes its engine (its own model copy) where it runs."""
+    """One rollout replica process: ``builder()`` makes its engine (its own model copy) where it runs.
 
-    def __init__(self, builder: Callable[[], Engine | tuple[Engine, Any]], index: int, threads: int = 1):
+    The engine is fuseflow's ``Engine`` or a ``VLLMBackend``; ``self.model`` is the policy copy the
+    weight broadcast writes into (the engine's own model, or the one vLLM's weights are pushed from).
+    """
+
+    def __init__(self, builder: Callable[[], Any], index: int, threads: int = 1):
         torch.set_num_threads(max(1, threads))
         self.index = index
         built = builder()  # the engine, or (engine, scorer): a worker with ``compute_logprobs`` on its model
         self.engine, self.scorer = built if isinstance(built, tuple) else (built, None)
+        self.model: torch.nn.Module = self.engine.model
+        self.sync_metrics: dict[str, float] = {}  # the engine's own part of the last sync (vLLM's push)
         self.group: WeightGroup | None = None
         self._lock = threading.Lock()  # a decode loop ends and ``add`` hands it samples atomically
         self._running = False
@@ -61,9 +67,10 @@ class RolloutReplica:
     def info(self) -> dict[str, Any]:
         """Engine capacity (for the migration plan) and the weights' signature (checked against the trainer's)."""
         e = self.engine
-        return {"config": e.config, "kv_tokens": e.num_blocks * e.config.block_size, "pid": os.getpid(),
-                "scores": self.scorer is not None,
-                "signature": signature(e.model), "version": e.policy_version}
+        config = e.config if isinstance(e, Engine) else EngineConfig(e.max_num_seqs, e.kv_budget_tokens)
+        return {"config": config, "kv_tokens": e.kv_capacity_tokens(), "pid": os.getpid(),
+                "scores": self.scorer is not None, "backend": type(e).__name__,
+                "signature": signature(self.model), "version": e.policy_version}
 
     # ------------------------------------------------------------------ generation
     def stream(self, requests: list[RolloutRequest], background: bool = False) -> Iterator[Sample]:
@@ -96,7 +103,7 @@ class RolloutReplica:
                     if not self.engine.has_unfinished():
                         self._running = False
                         break
-                rows, t0 = len(self.engine.scheduler.running), time.perf_counter()
+                rows, t0 = self.engine.running_rows(), time.perf_counter()
                 done = self.engine.step()
                 self._log.append((rows, time.perf_counter() - t0))
                 for s in done:
@@ -123,10 +130,7 @@ class RolloutReplica:
 
     def pending(self) -> list[PendingSample]:
         """Unfinished samples with their KV held now and tokens still allowed (as ``RolloutPool.pending``)."""
-        e = self.engine
-        with e._lock:
-            seqs = [*e.scheduler.running, *e.scheduler.waiting]
-            return [PendingSample(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens)) for s in seqs]
+        return [PendingSample(*row) for row in self.engine.pending_samples()]
 
     def compute_logprobs(self, batch) -> Any:
         """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights.
@@ -164,20 +168,26 @@ class RolloutReplica:
 
     def join_weights(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join the weight group (rank 0 is the trainer's actor rank 0)."""
-        device = next(self.engine.model.parameters()).device.type
+        device = next(self.model.parameters()).device.type
         self.group = WeightGroup(addr, port, rank, world_size, timeout_s, device)
 
     @torch.no_grad()
-    def receive_weights(self, version: int) -> float:
-        """Take rank 0's broadcast into this engine's model and stamp ``version``; seconds spent."""
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Take rank 0's broadcast into this replica's model and stamp ``version``.
+
+        fuseflow's engine decodes with that model; vLLM gets its full state dict pushed in place
+        (``VLLMBackend.update_weights``). Either drops prefix KV computed with the old weights.
+        Returns the seconds spent and the engine's own sync metrics (vLLM: ``rollout/weight_sync_*``).
+        """
         t0 = time.perf_counter()
-        self.group.broadcast(list(self.engine.model.parameters()))
-        self.engine.update_weights(version)  # drops prefix KV computed with the old weights
-        return time.perf_counter() - t0
+        self.group.broadcast(list(self.model.parameters()))
+        self.engine.update_weights(version)
+        self.sync_metrics = dict(getattr(self.engine, "sync_metrics", {}))
+        return {"seconds": time.perf_counter() - t0, **self.sync_metrics}
 
     def weights(self) -> dict[str, Any]:
         """The model's parameters as numpy arrays (tests compare them bitwise with the trainer's)."""
-        return {n: p.detach().cpu().numpy() for n, p in self.engine.model.named_parameters()}
+        return {n: p.detach().cpu().numpy() for n, p in self.model.named_parameters()}
 
 
 class ReplicaSet:
@@ -194,6 +204,7 @@ class ReplicaSet:
         self._infos: list[dict] | None = None
         self.connected = False
         self.sync_log: list[tuple[int, float]] = []  # (bytes per replica, seconds) of every sync
+        self.sync_metrics: dict[str, float] = {}  # the last sync's (``sync``), for the step's metrics
         self.synced: int | None = None  # version of the last sync (None: the weights they were built with)
 
     def _info(self) -> list[dict]:
@@ -266,8 +277,10 @@ class ReplicaSet:
         refs = [h.receive_weights.remote(version) for h in self.handles]
         src = actor.broadcast_weights.future()
         sent = self._wait(refs, src, "receive_weights")
+        seconds = time.perf_counter() - t0
         self.synced = version
-        self.sync_log.append((sent, time.perf_counter() - t0))
+        self.sync_log.append((sent, seconds))
+        self.sync_metrics = sync_metrics(sent, seconds, self._get(refs, "receive_weights"))
         return self.sync_log[-1]
 
     def _wait(self, refs: list, src, method: str) -> Any:
@@ -316,7 +329,8 @@ class ReplicaSet:
             cause = f"its process died ({_summary(e)})"
         else:
             inner = getattr(e, "cause", None) or e
-            cause = f"{type(inner).__name__}: {_summary(inner)}"
+            # An engine's own one-line failure (VLLMBackend.step's) keeps its words, not a nested name.
+            cause = inner.cause if isinstance(inner, WorkerFailure) else f"{type(inner).__name__}: {_summary(inner)}"
         return WorkerFailure(ROLE, i, method, cause, f"pool {self.pool}")
 
     def get(self, i: int, ref, method: str) -> Any:
@@ -334,6 +348,20 @@ class ReplicaSet:
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every replica, their results in replica order (failures name the replica)."""
         return self._get([getattr(h, method).remote(*args) for h in self.handles], method)
+
+
+def sync_metrics(sent: int, seconds: float, replicas: list[dict[str, float]]) -> dict[str, float]:
+    """One sync's metrics: its seconds (broadcast and every replica's engine update) and seconds per MB
+    each replica received; with vLLM replicas also the in-place push into vLLM (the slowest replica's
+    ``rollout/weight_sync_*``, renamed ``rollout/vllm_push_*``: the MB it pushes count a tied head twice)."""
+    mb = sent / 2**20
+    out = {"rollout/weight_sync_seconds": seconds, "rollout/weight_sync_s_per_mb": seconds / mb if mb else 0.0}
+    pushes = [r for r in replicas if "rollout/weight_sync_seconds" in r]
+    if pushes:
+        slowest = max(pushes, key=lambda r: r["rollout/weight_sync_seconds"])
+        out |= {k.replace("rollout/weight_sync_", "rollout/vllm_push_"): v for k, v in slowest.items()
+                if k.startswith("rollout/weight_sync_")}
+    return out
 
 
 def _summary(e: BaseException) -> str:

@@ -210,21 +210,48 @@ def bench_workload(model: CausalLM, name: str, slots: int, quick: bool, repeats:
     return out
 
 
+PRESETS = ("tiny", "small")
+
+
+def load_model(name: str, log=print) -> CausalLM:
+    """A random model of a preset (``tiny``, ``small``; vocabulary ``VOCAB``), or a pretrained one as
+    ``model.path`` takes it: a named model (``smollm2-135m``), a Hugging Face directory or a .gguf file.
+
+    The workloads' prompts are random ids below ``VOCAB``, so a pretrained model needs at least that
+    many tokens; what it generates from them is beside the point (every side decodes the same ids).
+    """
+    if name in PRESETS:
+        return CausalLM.from_config(ModelConfig.preset(name, vocab_size=VOCAB), seed=0)
+    from fuseflow.config import load_config
+    from fuseflow.models.source import resolve_model_path
+
+    try:
+        path = resolve_model_path(name, load_config("default").cache_dir, log)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--model {name}: neither a preset (tiny or small) nor a model fuseflow can load "
+                                f"({e})") from None
+    model = CausalLM.from_pretrained(path)
+    if model.config.vocab_size < VOCAB:
+        raise ValueError(f"--model {name}: its vocabulary ({model.config.vocab_size}) is smaller than the "
+                         f"workloads' prompt ids (< {VOCAB}); use a model with at least {VOCAB} tokens")
+    return model
+
+
 def run_bench(model_name: str, quick: bool, slots: int, repeats: int, threads: int | None, timer: str = "wall",
               workloads: tuple[str, ...] = WORKLOADS, log=print, backends: tuple[str, ...] = ("engine", "hf"),
-              dtype: str = "float32") -> dict:
-    """The whole benchmark as a JSON-ready dict (see the module docstring); every side runs in `dtype`."""
+              dtype: str = "float32", model: CausalLM | None = None) -> dict:
+    """The whole benchmark as a JSON-ready dict (see the module docstring); every side runs in `dtype`.
+    ``model``: ``model_name``'s model when the caller loaded it already (``load_model``)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     if threads is not None:
         torch.set_num_threads(threads)
-    cfg = ModelConfig.preset(model_name, vocab_size=VOCAB)
-    model = CausalLM.from_config(cfg, seed=0).eval().to(getattr(torch, dtype))
+    model = (model or load_model(model_name, log)).eval().to(getattr(torch, dtype))
     load_before = os.getloadavg()
     result = {"model": model_name, "device": f"cpu ({platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
-              "dtype": dtype, "params": model.num_parameters(), "vocab_size": VOCAB, "slots": slots,
+              "dtype": dtype, "params": model.num_parameters(), "vocab_size": model.config.vocab_size, "slots": slots,
               "repeats": repeats, "quick": quick, "backends": list(backends), "workloads": {}}
     for name in workloads:
         log(f"{model_name} / {name}")
@@ -262,10 +289,13 @@ def register(bench_app) -> None:
     @bench_app.command("rollout")
     def rollout(
         out: Path = typer.Option(..., "--out", help="Where to write the JSON result."),
-        model: str = typer.Option("small", "--model", help="Model preset: tiny or small."),
-        quick: bool = typer.Option(False, "--quick", help="Quarter-size workloads, one repeat (a smoke run)."),
+        model: str = typer.Option("small", "--model", help="A random model of a preset (tiny, small), or a "
+                                  "pretrained one as model.path takes it (smollm2-135m, an HF directory, a .gguf)."),
+        quick: bool = typer.Option(False, "--quick", help="Quarter-size workloads, one repeat unless --repeats "
+                                   "says otherwise (a smoke run)."),
         slots: int = typer.Option(32, "--slots", help="Engine sequence slots = HF static batch size."),
-        repeats: int = typer.Option(3, "--repeats", help="Runs per side; the median is reported."),
+        repeats: int = typer.Option(None, "--repeats", help="Runs per side; the median is reported (default 3, "
+                                    "1 with --quick)."),
         threads: int = typer.Option(0, "--threads", help="torch threads for both sides (0: torch default)."),
         timer: str = typer.Option("wall", "--timer", help="Headline timer: wall, or cpu (process CPU time; "
                                   "use with --threads 1 on a shared machine). Both are always recorded."),
@@ -275,14 +305,13 @@ def register(bench_app) -> None:
         workload: str = typer.Option("all", "--workload", help="uniform, long_tail, groups, or all."),
     ) -> None:
         """fuseflow's engine vs vLLM vs transformers generate on uniform, long_tail and groups workloads; JSON to --out."""
-        if model not in ("tiny", "small"):
-            raise typer.BadParameter(f"--model must be tiny or small, got {model!r}")
         if timer not in ("wall", "cpu"):
             raise typer.BadParameter(f"--timer must be wall or cpu, got {timer!r}")
         if dtype not in ("float32", "bfloat16"):
             raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         if workload != "all" and workload not in WORKLOADS:
             raise typer.BadParameter(f"--workload must be one of {', '.join(WORKLOADS)} or all, got {workload!r}")
+        repeats = repeats if repeats is not None else 1 if quick else 3
         if slots < 1 or repeats < 1 or threads < 0:
             raise typer.BadParameter(f"--slots and --repeats must be >= 1 and --threads >= 0, got "
                                      f"{slots}, {repeats}, {threads}")
@@ -290,8 +319,12 @@ def register(bench_app) -> None:
             sides = parse_backends(backends)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-        result = run_bench(model, quick, slots, 1 if quick else repeats, threads or None, timer,
-                           WORKLOADS if workload == "all" else (workload,), typer.echo, sides, dtype)
+        try:
+            loaded = load_model(model, typer.echo)
+        except (ValueError, FileNotFoundError) as e:  # neither a preset nor a model fuseflow can load
+            raise typer.BadParameter(str(e).splitlines()[0]) from None
+        result = run_bench(model, quick, slots, repeats, threads or None, timer,
+                           WORKLOADS if workload == "all" else (workload,), typer.echo, sides, dtype, loaded)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         for name, w in result["workloads"].items():

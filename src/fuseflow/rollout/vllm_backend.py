@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fuseflow.controller.group import WorkerFailure, first_line
 from fuseflow.models.llama import CausalLM
 
 from .base import RolloutRequest, Sample, SamplingParams, StreamingBackend
@@ -148,6 +149,12 @@ class VLLMBackend(StreamingBackend):
         self.sync_metrics: dict[str, float] = {}
         self.stats = {"generated_tokens": 0, "resumed": 0, "weight_syncs": 0}
 
+    @property
+    def model(self) -> CausalLM | None:
+        """The policy whose weights this backend serves (None when built from a path): what a rollout
+        replica's weight broadcast writes into before `update_weights` pushes it to vLLM."""
+        return self.source
+
     # ------------------------------------------------------------------------------------ engine
     def start(self) -> None:
         """Build the engine from the source model's current weights (written as an HF checkpoint); `add` calls
@@ -171,6 +178,7 @@ class VLLMBackend(StreamingBackend):
                               kv_cache_memory_bytes=kv_bytes, max_num_seqs=self.max_num_seqs,
                               max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
                               enable_prefix_caching=self.enable_prefix_cache, seed=0, enable_chunked_prefill=False,
+                              distributed_executor_backend="uni",  # in this process, also inside a Ray actor
                               max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_model_len))
             # vLLM reseeds the global RNGs and replaces torch.set_num_threads (for its thread binding, which
             # only its multiprocess executor does): both are this process's, so they are put back.
@@ -181,7 +189,9 @@ class VLLMBackend(StreamingBackend):
                     self.engine = LLMEngine.from_engine_args(args)
                     _OPEN.append(self.engine)
             except Exception as e:  # noqa: BLE001 - one line naming the cause, for the CLI
-                raise ValueError(f"vLLM could not start on {path}: {type(e).__name__}: {first_line(e)}") from e
+                raise ValueError(f"vLLM could not start on {path}: {type(e).__name__}: {vllm_cause(e)}; vLLM must be "
+                                 "able to load it as a Hugging Face checkpoint (docs/vllm.md), or use "
+                                 "rollout.backend=engine") from e
             finally:
                 torch.random.set_rng_state(states[0])
                 random.setstate(states[1])
@@ -232,7 +242,11 @@ class VLLMBackend(StreamingBackend):
             # Python started (a rollout worker) does not inherit the count torch.set_num_threads gave the
             # thread that built the engine: the kernel then aborts the process ("thread_num == thread_num").
             torch.set_num_threads(self._threads)
-            outs = self.engine.step()
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - one line for the user; the run cannot go on with this engine
+                raise WorkerFailure("rollout", 0, "step", f"vLLM's engine step raised {type(e).__name__}: "
+                                    f"{first_line(e)}", "vLLM engine in this process") from e
             now = time.perf_counter()
             for out in outs:
                 live = self._live.get(out.request_id)
@@ -346,6 +360,17 @@ class VLLMBackend(StreamingBackend):
                              "tokens; nothing to resume")
 
 
+def vllm_cause(e: BaseException, limit: int = 240) -> str:
+    """vLLM's error in one short line: its config errors come as pydantic's ("1 validation error for
+    ModelConfig" then the cause, a "[type=...]" trailer and a link), an unsupported architecture with
+    the list of every supported one."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not re.match(r"\d+ validation errors? for ", ln)
+             and not ln.startswith("For further information")]
+    text = re.sub(r"\s*\[type=.*$", "", lines[0].removeprefix("Value error, ")) if lines else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -372,8 +397,3 @@ def weight_buckets(state_dict: Mapping[str, Tensor], bucket_bytes: int) -> list[
         buckets[-1].extend(g)
         size += g_bytes
     return buckets
-
-
-def first_line(e: BaseException) -> str:
-    """The first non-empty line of an error's message (vLLM's can run to pages)."""
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)

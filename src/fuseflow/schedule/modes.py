@@ -144,7 +144,10 @@ class Pooled(Strategy):
             return
         t0 = time.perf_counter()
         sent = self.pool.set_weights(version, self.stages.roles.actor.rollout_weights if self.asynchronous else None)
-        self._sync = {"time/rollout_weight_sync": time.perf_counter() - t0, "rollout/weight_sync_mb": sent / 2**20}
+        # The pool's own figures win: an in-process vLLM's push (its MB, seconds per MB, buckets) is the
+        # transfer even where the weights themselves are shared (0 bytes copied).
+        self._sync = ({"time/rollout_weight_sync": time.perf_counter() - t0, "rollout/weight_sync_mb": sent / 2**20}
+                      | self.pool.sync_metrics)
         self.version = version
 
     def finish_prefetch(self) -> None:

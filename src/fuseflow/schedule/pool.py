@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 import torch
 
+from fuseflow.controller.group import WorkerFailure, first_line
 from fuseflow.controller.priority import set_background
 from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
@@ -257,8 +258,9 @@ class RolloutPool:
         if self.errors:
             i = min(self.errors)
             e = self.errors[i]
-            raise RuntimeError(f"step {step}: rollout worker {i} (trace track rollout-{i}) failed: "
-                               f"{type(e).__name__}: {e}") from e
+            # One line, as a replica process's failure on Ray: the runner adds the last checkpoint.
+            cause = e.cause if isinstance(e, WorkerFailure) else f"{type(e).__name__}: {first_line(e)}"
+            raise WorkerFailure("rollout", i, "step", cause, f"trace track rollout-{i}, step {step}") from e
 
     # ------------------------------------------------------------------ migration
     def pending(self) -> dict[int, list[PendingSample]]:

@@ -47,8 +47,8 @@ class RayRolloutPool:
         for i, t in enumerate(self.tracks):
             tracer.name_track(t, f"rollout-{i}")
         self.migrated = 0
-        # The threaded pool reports an in-process backend's own sync here (vLLM); replica syncs are
-        # timed by the strategy (`time/rollout_weight_sync`), so nothing more to add.
+        # The last sync's seconds and seconds per MB, and with vLLM replicas their push into vLLM
+        # (`controller.replica.sync_metrics`); the strategy adds `time/rollout_weight_sync` and the MB.
         self.sync_metrics: dict[str, float] = {}
         self.errors: dict[int, BaseException] = {}
         self.live: dict[int, int] = {}  # replica -> streams running on it now
@@ -71,6 +71,7 @@ class RayRolloutPool:
         """Every replica takes the actor's current weights as ``version`` (``source`` is for in-process
         copies); returns the bytes each replica received."""
         sent, _seconds = self.replicas.sync(version, self.actor)
+        self.sync_metrics = dict(self.replicas.sync_metrics)
         self.policy_version = version
         return sent
 

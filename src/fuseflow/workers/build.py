@@ -133,15 +133,23 @@ def build_rollout_engine(ctx: RoleContext):
     """A rollout replica's engine (backend=ray) and a scorer over the same model: its own copy of the
     policy, built as the actor's is (same checkpoint, same LoRA adapters), so the weight sync's
     parameter lists match. The scorer is the actor's log-prob code (``ReferenceWorker.compute_logprobs``):
-    a replica with nothing to decode computes old log-probs with it."""
+    a replica with nothing to decode computes old log-probs with it.
+
+    With ``rollout.backend=vllm`` the engine is vLLM's, over that model's weights, started here (in
+    the replica process, in-process mode): a model vLLM cannot load then fails the replica's start,
+    and vLLM's start-up is paid while the controller builds the other roles."""
     from fuseflow.rollout.engine import Engine, EngineConfig
 
     cfg, r = ctx.cfg, ctx.cfg.rollout
     device, dtype = resolve_device(cfg.device)
     model = _policy(ctx, device, DistInfo()).eval().requires_grad_(False)
     _FROZEN_BASES.clear()  # no reference is built in a replica process
-    engine = Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
-                    tokenizer=run_tokenizer(cfg))
+    if r.backend == "vllm":
+        engine = rollout_backend(cfg, model, None)
+        engine.start()
+    else:
+        engine = Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
+                        tokenizer=run_tokenizer(cfg))
     scorer = ReferenceWorker(model, device, dtype, r.temperature)
     scorer.token_budget = cfg.schedule.token_budget
     return engine, scorer
