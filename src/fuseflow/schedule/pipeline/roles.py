@@ -1,0 +1,256 @@
+"""Pipeline-parallel training of a run's roles (`actor.pp` / `critic.pp` > 1).
+
+`PipelineRoles` trains the actor (and PPO's critic) of an `RLTrainer` on `actor.pp` stage
+processes (`PipelineTrainer`: spawned gloo processes on this machine). Per optimizer step
+it cuts each model's mini-batch into the same micro-batches the role worker would
+(`train_microbatches`), runs them with a plan (PPO: the solver's fused actor/critic schedule
+for the step's micro-batch counts, cached per count pair; GRPO and the other critic-free
+algorithms: 1F1B of the actor) and the losses of the role workers (`actor_loss`,
+`value_loss`), normalised by the mini-batch's counts, so accumulation is exact.
+
+The role workers stay the owners of the run's models: the stages start from their weights and
+optimizer state, and after each update the trained weights and optimizer state go back into
+them, so generation, inference, weight sync and checkpoints work as with `pp=1`. A stage
+process that dies raises `WorkerFailure` naming the role, stage and rank (one line).
+
+On Ray the stage processes would be one pool's workers (one per stage, a GPU each, NCCL
+point-to-point) with the weights handed back through the pool's rank 0; not wired: the config
+accepts `pp > 1` with `backend=local` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from torch import Tensor
+
+from fuseflow.algorithms import aggregation_counts, get_policy_loss, value_loss
+from fuseflow.controller.group import Done, Future, WorkerFailure, WorkerGroup
+from fuseflow.data.batch import Batch
+from fuseflow.models.config import ModelConfig
+from fuseflow.schedule.pipeline.actions import Plan, one_f_one_b_plan, solved_plan
+from fuseflow.schedule.pipeline.problem import PipelineInstance
+from fuseflow.schedule.pipeline.procs import StageFailure
+from fuseflow.schedule.pipeline.train import ModelSpec, PipelineTrainer
+from fuseflow.workers.actor import actor_loss, minibatches
+from fuseflow.workers.common import (
+    mean_metrics,
+    position_ids,
+    response_logprobs,
+    response_slice,
+    train_microbatches,
+)
+
+
+class _Recorder:
+    """A LossFn that keeps each micro-batch's metrics (the last stage sends them back)."""
+
+    def __init__(self):
+        self.records: list[dict[str, float]] = []
+
+
+@dataclass
+class ActorLoss:
+    """The actor's loss in a stage process: `actor_loss` on the logits of the last stage."""
+
+    algo: Any  # AlgorithmConfig
+    kl_coef: float
+    temperature: float
+    norm_len: int
+
+    def __call__(self, micro_batches: Sequence[Mapping[str, Tensor]]):
+        n_tok = sum(aggregation_counts(mb["response_mask"])[0] for mb in micro_batches)
+        n_seq = sum(aggregation_counts(mb["response_mask"])[1] for mb in micro_batches)
+        policy_loss, spec = get_policy_loss(self.algo.policy_loss), self
+
+        class Loss(_Recorder):
+            def __call__(self, logits: Tensor, mb: Mapping[str, Tensor]) -> Tensor:
+                # response_logprobs takes a model; hand it the logits the stage computed.
+                logp, entropy = response_logprobs(lambda *a, **k: SimpleNamespace(logits=logits), mb,
+                                                  spec.temperature, with_entropy=True)
+                loss, metrics = actor_loss(policy_loss, spec.algo, logp, entropy, mb, spec.kl_coef, n_tok, n_seq,
+                                           spec.norm_len)
+                self.records.append(metrics)
+                return loss
+
+        return Loss()
+
+
+@dataclass
+class CriticLoss:
+    """The critic's clipped value loss in a stage process (as `CriticWorker.update`)."""
+
+    algo: Any
+    norm_len: int
+
+    def __call__(self, micro_batches: Sequence[Mapping[str, Tensor]]):
+        n_tok = sum(aggregation_counts(mb["response_mask"])[0] for mb in micro_batches)
+        n_seq = sum(aggregation_counts(mb["response_mask"])[1] for mb in micro_batches)
+        spec = self
+
+        class Loss(_Recorder):
+            def __call__(self, values: Tensor, mb: Mapping[str, Tensor]) -> Tensor:
+                v = values[:, response_slice(mb)].float()  # (B, Tr)
+                loss, m = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], spec.algo.value_clip,
+                                     spec.algo.loss_agg, n_tok, n_seq, spec.norm_len)
+                share = float(mb["response_mask"].sum() / n_tok)
+                self.records.append({"critic/loss": float(loss.detach()),
+                                     "critic/vf_clip_frac": float(m["vf_clip_frac"]) * share})
+                return loss
+
+        return Loss()
+
+
+def to_named(opt_state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A single-process optimizer state dict (one param group, parameters in `names` order) keyed by name."""
+    return {"state": {names[i]: v for i, v in opt_state["state"].items()},
+            "param_groups": [dict(opt_state["param_groups"][0])]}
+
+
+def from_named(named: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of `to_named`: the single-process layout of a named optimizer state."""
+    return {"state": {i: named["state"][n] for i, n in enumerate(names) if n in named["state"]},
+            "param_groups": [{**named["param_groups"][0], "params": list(range(len(names)))}]}
+
+
+def stage_cost(config: ModelConfig, kind: str, split: Sequence[int] | None, p: int) -> int:
+    """Relative time of one stage's forward: its largest stage's matmul parameters (no embedding
+    lookups), in units that make the solver's integer times ~10. Used for the plan only."""
+    from fuseflow.schedule.pipeline.stage import split_layers
+
+    h, layers = config.hidden_size, config.num_hidden_layers
+    per_layer = 4 * h * h + 3 * h * config.intermediate_size
+    head = h * (config.vocab_size if kind == "actor" else 1)
+    counts = list(split) if split else split_layers([per_layer] * layers, p, 0, head)
+    return max(n * per_layer + (head if i == p - 1 else 0) for i, n in enumerate(counts))
+
+
+@dataclass
+class PipelineRoles:
+    """The actor (and critic) of a run trained on `cfg.actor.pp` stage processes (module docstring).
+
+    `updates(...)` gives the trainer's step its update calls: one, "pipeline_update", that
+    trains every model of the step; its result maps the model's metric names as the role
+    workers' `update` would (`actor/...`, `critic/...`), plus `pipeline/...` timings.
+    """
+
+    cfg: Any
+    actor: WorkerGroup
+    critic: WorkerGroup | None
+    die_at: tuple[int, int] | None = None  # tests: SIGKILL a rank at this action of the next step
+    plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg, p = self.cfg, self.cfg.actor.pp
+        self.groups = {"A": self.actor, **({"B": self.critic} if self.critic is not None else {})}
+        config = ModelConfig.from_hf_dict(self.actor.model_config())
+        split = tuple(cfg.actor.pp_split) if cfg.actor.pp_split else None
+        layers = config.num_hidden_layers
+        if p > layers:
+            raise ValueError(f"actor.pp={p}: the model has {layers} decoder layers and every stage needs one; "
+                             f"use actor.pp<={layers}")
+        if split and sum(split) != layers:
+            raise ValueError(f"actor.pp_split={list(split)} sums to {sum(split)}; the model has {layers} decoder "
+                             "layers")
+        t = cfg.trainer
+        specs = {"A": ModelSpec("actor", config, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+                                split=split)}
+        if self.critic is not None:
+            specs["B"] = ModelSpec("critic", config, lr=t.critic_lr, weight_decay=t.weight_decay,
+                                   grad_clip=t.grad_clip, split=split)
+        self.cost = {m: stage_cost(config, s.kind, split, p) for m, s in specs.items()}
+        self.trainer = PipelineTrainer(specs, p, threads=1, timeout=120.0)
+        try:
+            for model, group in self.groups.items():
+                state = group.trained_state()
+                self.names = getattr(self, "names", {}) | {model: state["names"]}
+                self.trainer.load(model, state["weights"], to_named(state["optimizer"], state["names"]))
+        except BaseException:
+            self.trainer.close()
+            raise
+
+    def plan(self, counts: Mapping[str, int]) -> Plan:
+        """The step's plan for these micro-batch counts: fused (solved, cached per counts) or 1F1B."""
+        key = tuple(counts[m] for m in sorted(counts))
+        if key not in self.plans:
+            p, s = self.cfg.actor.pp, self.cfg.schedule
+            if "B" not in counts:
+                self.plans[key] = one_f_one_b_plan(p, counts)
+            else:
+                unit = min(self.cost.values()) / 10
+                inst = PipelineInstance(p, p, counts["A"], counts["B"], max(1, round(self.cost["A"] / unit)),
+                                        max(1, round(self.cost["B"] / unit)), 1.0, 1.0)
+                self.plans[key] = solved_plan(inst, s.pipeline_solver_seconds, s.pipeline_memory_cap)
+        return self.plans[key]
+
+    def updates(self, batch: Batch, actor_lr: float, critic_lr: float, kl_coef: float,
+                actor_seed: int, critic_seed: int) -> dict[str, Any]:
+        """The step's update calls for `Strategy.train`: {"pipeline_update": starter of a Future}."""
+        def start() -> Future:
+            return Done(self.update(batch, actor_lr, critic_lr, kl_coef, actor_seed, critic_seed))
+        return {"pipeline_update": start}
+
+    def _micro_batches(self, batch: Batch, idx: Tensor) -> list[dict[str, Tensor]]:
+        t = self.cfg.trainer
+        out = []
+        for mb in train_microbatches(None, batch.select(idx), self.cfg.schedule.token_budget, t.micro_batch_size):
+            fields = dict(mb.tensors)
+            fields["position_ids"] = position_ids(fields["attention_mask"])
+            out.append(fields)
+        return out
+
+    def update(self, batch: Batch, actor_lr: float, critic_lr: float, kl_coef: float, actor_seed: int,
+               critic_seed: int) -> dict[str, float]:
+        """Epochs of mini-batch steps of every model on the stages; weights and optimizer state go back
+        to the role workers. Raises WorkerFailure (one line) if a stage process dies."""
+        try:
+            return self._update(batch, actor_lr, critic_lr, kl_coef, actor_seed, critic_seed)
+        except StageFailure as err:
+            raise WorkerFailure("actor", err.rank if err.rank is not None else 0, "pipeline_update",
+                                str(err)) from None
+
+    def _update(self, batch: Batch, actor_lr: float, critic_lr: float, kl_coef: float, actor_seed: int,
+                critic_seed: int) -> dict[str, float]:
+        cfg, t, n = self.cfg, self.cfg.trainer, len(batch)
+        losses = {"A": ActorLoss(cfg.algorithm, kl_coef, cfg.rollout.temperature, cfg.model.max_response_len)}
+        lrs = {"A": actor_lr, "B": critic_lr}
+        order = {"A": minibatches(n, t.mini_batch_size, t.epochs, actor_seed)}
+        if "B" in self.groups:
+            losses["B"] = CriticLoss(cfg.algorithm, cfg.model.max_response_len)
+            order["B"] = minibatches(n, t.mini_batch_size, t.epochs, critic_seed)
+        records, makespans = [], []
+        for i in range(len(order["A"])):
+            mbs = {m: self._micro_batches(batch, order[m][i]) for m in order}
+            plan = self.plan({m: len(v) for m, v in mbs.items()})
+            out = self.trainer.step(plan, mbs, die_at=self.die_at, losses=losses, lrs=lrs)
+            rec: dict[str, float] = {}
+            for r in out:
+                for recs in r["metrics"].values():
+                    for m in recs:
+                        for k, v in m.items():
+                            rec[k] = rec.get(k, 0.0) + v
+            for model, norm in out[0]["grad_norm"].items():
+                rec[f"{'actor' if model == 'A' else 'critic'}/grad_norm"] = norm
+            records.append(rec)
+            makespans.append(max(r["times"].end for r in out))
+        weights = self.trainer.state_dicts()
+        for model, group in self.groups.items():
+            group.load_trained(weights[model], from_named(self.trainer.optimizer_state(model), self.names[model]))
+        return mean_metrics(records) | {"pipeline/step_seconds": sum(makespans),
+                                        "pipeline/optimizer_steps": float(len(makespans))}
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def pipeline_roles(cfg: Any, actor: WorkerGroup, critics: Sequence[WorkerGroup]) -> PipelineRoles | None:
+    """The run's pipeline-parallel training, or None when `actor.pp` is 1 (the role workers train)."""
+    if cfg.actor.pp == 1:
+        return None
+    return PipelineRoles(cfg, actor, critics[0] if critics else None)
+
+
+__all__ = ["ActorLoss", "CriticLoss", "PipelineRoles", "from_named", "pipeline_roles", "to_named"]

@@ -1,0 +1,97 @@
+"""actor.pp / critic.pp in a run: the training step on 2 stage processes equals the role workers' step.
+
+Each test runs `RLTrainer` steps on a tiny model (no SFT: a model written here) with pp=1 and
+pp=2 on the same seed and compares the actor's and critic's weights after the update (the
+pipeline hands them back to the role workers, so these are what generation and
+checkpoints see), the metrics, and what a dying stage process reports.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fuseflow.config import load_config
+from fuseflow.controller.group import WorkerFailure
+from fuseflow.data.tokenizer import build_char_tokenizer
+from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A tiny random model, a file task and a reward that varies with the response (non-zero advantages)."""
+    root = tmp_path_factory.mktemp("pp-model")
+    torch.manual_seed(0)
+    CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=len(build_char_tokenizer())), seed=0).save_pretrained(root / "model")
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(16)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "rw.py").write_text("def score(prompt, response, answer):\n    return (sum(map(ord, response)) % 3) / 2.0\n")
+    return root / "model"
+
+
+def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, die_at=None):
+    """Train `steps` steps; returns (per-step metrics, actor weights, critic weights or None)."""
+    cfg = load_config("default", [
+        "sft.enabled=false", f"model.path={model_path}", "task.name=file", f"task.path={model_path.parent}/data.jsonl",
+        f"task.reward_fn={model_path.parent}/rw.py:score", f"algorithm.name={algo}", "algorithm.group_size=4",
+        "trainer.prompts_per_step=2", "trainer.mini_batch_size=4", "trainer.micro_batch_size=2",
+        "trainer.epochs=2", "model.max_response_len=8", "trainer.eval_size=4", "task.eval_size=4",
+        f"trainer.steps={steps}", "trainer.save_every=100", "trainer.eval_every=100", "trainer.lr=1e-3",
+        "schedule.pipeline_solver_seconds=2", *extra])
+    tr = RLTrainer(cfg, tmp_path / "_".join([algo, *extra]).replace("=", "-"), log=lambda *_: None)
+    if die_at is not None:
+        tr.pipeline.die_at = die_at
+    try:
+        metrics = [tr.step(s) for s in range(1, steps + 1)]
+        actor = {k: v.clone() for k, v in tr.actor.trained_state()["weights"].items()}
+        critic = ({k: v.clone() for k, v in tr.critics[0].trained_state()["weights"].items()} if tr.critics
+                  else None)
+    finally:
+        tr.close()
+    return metrics, actor, critic
+
+
+def same_weights(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-5, rtol=0), f"{k}: max diff {(got[k] - want[k]).abs().max()}"
+
+
+def same_metrics(got, want):
+    for g, w in zip(got, want, strict=True):
+        for k, v in w.items():
+            if k.startswith(("actor/", "critic/", "reward/", "rollout/")):
+                assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+
+
+def test_ppo_step_with_pp2_equals_pp1(tmp_path, model_path):
+    """One PPO step (2 epochs x 2 mini-batches x 2 micro-batches, fused schedule) on 2 stages."""
+    m1, a1, c1 = run(tmp_path, model_path, "ppo", [])
+    m2, a2, c2 = run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"])
+    start = CausalLM.from_pretrained(model_path).state_dict()
+    assert max(float((a1[k] - start[k]).abs().max()) for k in start) > 1e-4  # the step moved the weights
+    same_weights(a2, a1)
+    same_weights(c2, c1)
+    assert float(c1["value_head.weight"].abs().max()) > 1e-4  # the critic's zero head moved too
+    same_metrics(m2, m1)
+    assert m2[0]["pipeline/optimizer_steps"] == 4.0  # 2 epochs x 2 mini-batches, each one fused step
+
+
+def test_grpo_steps_with_pp2_equal_pp1(tmp_path, model_path):
+    """GRPO (no critic): the actor alone in 1F1B; two steps, so the second starts from handed-back state."""
+    m1, a1, _ = run(tmp_path, model_path, "grpo", [], steps=2)
+    m2, a2, c2 = run(tmp_path, model_path, "grpo", ["actor.pp=2"], steps=2)
+    assert c2 is None
+    same_weights(a2, a1)
+    same_metrics(m2, m1)
+
+
+def test_stage_death_ends_the_step_with_one_line(tmp_path, model_path):
+    with pytest.raises(WorkerFailure) as err:
+        run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"], die_at=(1, 2))
+    text = str(err.value)
+    assert "\n" not in text
+    assert "stage process rank 1 (actor stage 1, critic stage 0, at action" in text and "died" in text, text
