@@ -32,26 +32,34 @@ def model_path(tmp_path_factory):
     return root / "model"
 
 
-def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, die_at=None):
-    """Train `steps` steps; returns (per-step metrics, actor weights, critic weights or None)."""
+def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, then_die_at=None):
+    """Train `steps` steps; returns (per-step metrics, actor weights, critic weights or None, failure).
+
+    With `then_die_at=(rank, action)` one more step runs in which that stage process is killed
+    (SIGKILL) before that action; `failure` is the WorkerFailure it raised.
+    """
     cfg = load_config("default", [
         "sft.enabled=false", f"model.path={model_path}", "task.name=file", f"task.path={model_path.parent}/data.jsonl",
         f"task.reward_fn={model_path.parent}/rw.py:score", f"algorithm.name={algo}", "algorithm.group_size=4",
         "trainer.prompts_per_step=2", "trainer.mini_batch_size=4", "trainer.micro_batch_size=2",
         "trainer.epochs=2", "model.max_response_len=8", "trainer.eval_size=4", "task.eval_size=4",
-        f"trainer.steps={steps}", "trainer.save_every=100", "trainer.eval_every=100", "trainer.lr=1e-3",
+        f"trainer.steps={steps + 1}", "trainer.save_every=100", "trainer.eval_every=100", "trainer.lr=1e-3",
         "schedule.pipeline_solver_seconds=2", *extra])
     tr = RLTrainer(cfg, tmp_path / "_".join([algo, *extra]).replace("=", "-"), log=lambda *_: None)
-    if die_at is not None:
-        tr.pipeline.die_at = die_at
+    failure = None
     try:
         metrics = [tr.step(s) for s in range(1, steps + 1)]
         actor = {k: v.clone() for k, v in tr.actor.trained_state()["weights"].items()}
         critic = ({k: v.clone() for k, v in tr.critics[0].trained_state()["weights"].items()} if tr.critics
                   else None)
+        if then_die_at is not None:
+            tr.pipeline.die_at = then_die_at
+            with pytest.raises(WorkerFailure) as err:
+                tr.step(steps + 1)
+            failure = err.value
     finally:
         tr.close()
-    return metrics, actor, critic
+    return metrics, actor, critic, failure
 
 
 def same_weights(got, want):
@@ -67,10 +75,11 @@ def same_metrics(got, want):
                 assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
 
 
-def test_ppo_step_with_pp2_equals_pp1(tmp_path, model_path):
-    """One PPO step (2 epochs x 2 mini-batches x 2 micro-batches, fused schedule) on 2 stages."""
-    m1, a1, c1 = run(tmp_path, model_path, "ppo", [])
-    m2, a2, c2 = run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"])
+def test_ppo_step_with_pp2_equals_pp1_and_a_dead_stage_is_one_line(tmp_path, model_path):
+    """One PPO step (2 epochs x 2 mini-batches x 2 micro-batches, fused schedule) on 2 stages equals the
+    role workers' step; in the next step stage process 1 is killed mid-step."""
+    m1, a1, c1, _ = run(tmp_path, model_path, "ppo", [])
+    m2, a2, c2, failure = run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"], then_die_at=(1, 2))
     start = CausalLM.from_pretrained(model_path).state_dict()
     assert max(float((a1[k] - start[k]).abs().max()) for k in start) > 1e-4  # the step moved the weights
     same_weights(a2, a1)
@@ -78,20 +87,16 @@ def test_ppo_step_with_pp2_equals_pp1(tmp_path, model_path):
     assert float(c1["value_head.weight"].abs().max()) > 1e-4  # the critic's zero head moved too
     same_metrics(m2, m1)
     assert m2[0]["pipeline/optimizer_steps"] == 4.0  # 2 epochs x 2 mini-batches, each one fused step
+    text = str(failure)
+    assert "\n" not in text
+    assert "failed in actor.pipeline_update: stage process rank 1 (actor stage 1, critic stage 0, at action" in text
+    assert "died (exit code -9)" in text, text
 
 
 def test_grpo_steps_with_pp2_equal_pp1(tmp_path, model_path):
     """GRPO (no critic): the actor alone in 1F1B; two steps, so the second starts from handed-back state."""
-    m1, a1, _ = run(tmp_path, model_path, "grpo", [], steps=2)
-    m2, a2, c2 = run(tmp_path, model_path, "grpo", ["actor.pp=2"], steps=2)
+    m1, a1, _, _ = run(tmp_path, model_path, "grpo", [], steps=2)
+    m2, a2, c2, _ = run(tmp_path, model_path, "grpo", ["actor.pp=2"], steps=2)
     assert c2 is None
     same_weights(a2, a1)
     same_metrics(m2, m1)
-
-
-def test_stage_death_ends_the_step_with_one_line(tmp_path, model_path):
-    with pytest.raises(WorkerFailure) as err:
-        run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"], die_at=(1, 2))
-    text = str(err.value)
-    assert "\n" not in text
-    assert "stage process rank 1 (actor stage 1, critic stage 0, at action" in text and "died" in text, text
