@@ -46,9 +46,17 @@ def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, then_
         f"trainer.steps={steps + 1}", "trainer.save_every=100", "trainer.eval_every=100", "trainer.lr=1e-3",
         "schedule.pipeline_solver_seconds=2", *extra])
     tr = RLTrainer(cfg, tmp_path / "_".join([algo, *extra]).replace("=", "-"), log=lambda *_: None)
-    failure = None
+    failure, batches, inner = None, [], tr.make_experience
+
+    def spy(step):
+        batch, m = inner(step)
+        batches.append(batch)
+        return batch, m
+
+    tr.make_experience = spy
     try:
         metrics = [tr.step(s) for s in range(1, steps + 1)]
+        metrics[0]["batches"] = batches
         actor = {k: v.clone() for k, v in tr.actor.trained_state()["weights"].items()}
         critic = ({k: v.clone() for k, v in tr.critics[0].trained_state()["weights"].items()} if tr.critics
                   else None)
@@ -71,6 +79,8 @@ def same_weights(got, want):
 def same_metrics(got, want):
     for g, w in zip(got, want, strict=True):
         for k, v in w.items():
+            if k == "batches":
+                continue
             if k.startswith(("actor/", "critic/", "reward/", "rollout/")):
                 assert g[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
 
@@ -93,10 +103,16 @@ def test_ppo_step_with_pp2_equals_pp1_and_a_dead_stage_is_one_line(tmp_path, mod
     assert "died (exit code -9)" in text, text
 
 
-def test_grpo_steps_with_pp2_equal_pp1(tmp_path, model_path):
-    """GRPO (no critic): the actor alone in 1F1B; two steps, so the second starts from handed-back state."""
+def test_grpo_steps_with_pp2_and_pipelined_generation_equal_pp1(tmp_path, model_path):
+    """GRPO (no critic): the actor alone in 1F1B, generating on 2 other stage processes with 2 batches in
+    flight; two steps, so the second starts from handed-back weights and generates with pushed ones."""
     m1, a1, _, _ = run(tmp_path, model_path, "grpo", [], steps=2)
-    m2, a2, c2, _ = run(tmp_path, model_path, "grpo", ["actor.pp=2"], steps=2)
+    m2, a2, c2, _ = run(tmp_path, model_path, "grpo", ["actor.pp=2", "rollout.pipeline_stages=2"], steps=2)
     assert c2 is None
+    for b1, b2 in zip(m1[0]["batches"], m2[0]["batches"], strict=True):  # the samples are token-identical
+        assert torch.equal(b1["input_ids"], b2["input_ids"]) and torch.equal(b1["response_mask"], b2["response_mask"])
+        assert torch.allclose(b1["behavior_logprobs"], b2["behavior_logprobs"], atol=1e-5)
+        assert b1.meta["finish_reason"] == b2.meta["finish_reason"]
+    assert not torch.equal(m1[0]["batches"][0]["input_ids"], m1[0]["batches"][1]["input_ids"])
     same_weights(a2, a1)
     same_metrics(m2, m1)

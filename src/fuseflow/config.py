@@ -197,6 +197,9 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k
+    # 2: pipelined generation (Pipe-RLHF): the actor split over 2 stage processes with 2 batches in flight,
+    # samples token-identical to the engine's (schedule/pipeline/generate.py); 1: the backend above.
+    pipeline_stages: int = Field(1, ge=1, le=2)
 
 
 class TrainerConfig(_Section):
@@ -505,6 +508,8 @@ class Config(_Section):
             raise ValueError(f"actor.pp_split={a.pp_split} needs actor.pp={a.pp} layer counts (one per stage)")
         if a.pp_split is not None and min(a.pp_split) < 1:
             raise ValueError(f"actor.pp_split={a.pp_split}: every stage needs at least one layer")
+        if self.rollout.pipeline_stages > 1:
+            self._pipelined_rollout_fits()
         if a.pp == 1 and c.pp == 1:
             return self
         what = f"actor.pp={a.pp}" if a.pp > 1 else f"critic.pp={c.pp}"
@@ -525,6 +530,21 @@ class Config(_Section):
         if self.schedule.mode != "sequential":
             raise ValueError(f"{what} is wired for schedule.mode=sequential only (got {self.schedule.mode})")
         return self
+
+    def _pipelined_rollout_fits(self) -> None:
+        what = f"rollout.pipeline_stages={self.rollout.pipeline_stages}"
+        if self.backend != "local":
+            raise ValueError(f"{what} runs its stage processes on this machine; it needs backend=local "
+                             f"(got backend={self.backend})")
+        if self.rollout.backend != "engine":
+            raise ValueError(f"{what} replaces the engine with pipelined stages that sample as the engine does; "
+                             f"set rollout.backend=engine (got {self.rollout.backend})")
+        if self.model.lora.enabled:
+            raise ValueError(f"{what} loads full weights into its stages; model.lora.enabled=true is not "
+                             "supported with it")
+        if self.schedule.mode != "sequential" or self.schedule.rollout_workers != 1:
+            raise ValueError(f"{what} is wired for schedule.mode=sequential with schedule.rollout_workers=1 "
+                             f"(got {self.schedule.mode}, {self.schedule.rollout_workers} workers)")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> Config:

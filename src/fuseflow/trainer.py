@@ -36,7 +36,7 @@ from fuseflow.models.source import model_dir, run_tokenizer
 from fuseflow.recipes import LagrangeMultiplier, compute_advantages, kl_controller, observed_kl, recipe_for
 from fuseflow.reward_model import RewardModel
 from fuseflow.schedule.modes import make_strategy
-from fuseflow.schedule.pipeline.roles import pipeline_roles
+from fuseflow.schedule.pipeline.roles import pipeline_roles, pipelined_rollout
 from fuseflow.schedule.stages import CRITIC_PREFIX, Roles, Stages
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
@@ -138,6 +138,8 @@ class RLTrainer:
             for name, wanted in (("critic", self.recipe.critic), ("cost_critic", self.recipe.cost_critic)) if wanted]
         # actor.pp > 1: the training step runs on pipeline stage processes (schedule/pipeline/roles.py).
         self.pipeline = pipeline_roles(cfg, self.actor, self.critics)
+        # rollout.pipeline_stages=2: generation on 2 stage processes, batches in flight (Pipe-RLHF).
+        self.pipelined_rollout = pipelined_rollout(cfg, self.actor, self.tokenizer.pad_token_id)
         self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
                          else None)
         self.kl_ctl = kl_controller(a)  # fixed kl_coef, or adaptive toward algorithm.kl_target
@@ -269,8 +271,9 @@ class RLTrainer:
 
     def close(self) -> None:
         self.strategy.close()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        for pipeline in (self.pipeline, self.pipelined_rollout):
+            if pipeline is not None:
+                pipeline.close()
         self.tracer.save()
         self.metrics.close()
         self.cluster.shutdown()

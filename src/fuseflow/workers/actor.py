@@ -123,6 +123,12 @@ class ActorWorker(TrainableRole, ReferenceWorker):
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.95))
 
+    @register("one_to_all", collect="rank_zero")
+    def use_rollout(self, rollout: RolloutBackend) -> None:
+        """Generate with ``rollout`` from now on (in-process: the pipelined rollout, which holds this
+        worker's model and pushes its weights to its stage processes at each weight sync)."""
+        self.rollout = rollout
+
     @register("dp_split")
     def generate(self, requests: list[RolloutRequest]) -> list[Sample]:
         samples = list(self.rollout.generate(requests))

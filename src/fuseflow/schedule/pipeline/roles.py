@@ -30,6 +30,7 @@ from fuseflow.controller.group import Done, Future, WorkerFailure, WorkerGroup
 from fuseflow.data.batch import Batch
 from fuseflow.models.config import ModelConfig
 from fuseflow.schedule.pipeline.actions import Plan, one_f_one_b_plan, solved_plan
+from fuseflow.schedule.pipeline.generate import PipelinedRollout
 from fuseflow.schedule.pipeline.losses import ActorLoss, CriticLoss
 from fuseflow.schedule.pipeline.problem import PipelineInstance
 from fuseflow.schedule.pipeline.procs import StageFailure
@@ -191,4 +192,14 @@ def pipeline_roles(cfg: Any, actor: WorkerGroup, critics: Sequence[WorkerGroup])
     return PipelineRoles(cfg, actor, critics[0] if critics else None)
 
 
-__all__ = ["PipelineRoles", "from_named", "pipeline_roles", "to_named"]
+def pipelined_rollout(cfg: Any, actor: WorkerGroup, pad_id: int) -> PipelinedRollout | None:
+    """`rollout.pipeline_stages=2`: the actor generates on 2 stage processes from now on (its weights
+    pushed there at each weight sync); None when it is 1 (the configured rollout backend generates)."""
+    if cfg.rollout.pipeline_stages == 1:
+        return None
+    rollout = PipelinedRollout(actor.rollout_model(), pad_id)
+    actor.use_rollout(rollout)
+    return rollout
+
+
+__all__ = ["PipelineRoles", "pipelined_rollout", "from_named", "pipeline_roles", "to_named"]

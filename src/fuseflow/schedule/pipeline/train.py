@@ -164,12 +164,14 @@ def _step(state, rank: int, ctx: Context, plan: Plan, mbs: Mapping[str, list[Mic
 
 
 def _load(state, rank: int, ctx: Context, model: str, weights: Mapping[str, Tensor],
-          optimizer: Mapping[str, Any]) -> None:
+          optimizer: Mapping[str, Any] | None) -> None:
     """This rank's stage of `model` takes its slice of the full `weights` and of the named optimizer
-    state (`optimizer`: `param_groups` plus `state` by parameter name, see `named_optimizer_state`)."""
+    state (`optimizer`: `param_groups` plus `state` by parameter name; None: weights only)."""
     _, module, opt = state["stages"][model]
     own = module.state_dict()
     module.load_state_dict({k: weights[k] for k in own})
+    if optimizer is None:
+        return
     names = [n for n, _ in module.named_parameters()]
     alias = {"lm_head.weight": "model.embed_tokens.weight"} if module.config.tie_word_embeddings else {}
     by_name = optimizer["state"]
@@ -245,7 +247,7 @@ class PipelineTrainer:
         """Rebuild every stage from its model's seed, with fresh optimizers."""
         self.procs.call(_reset)
 
-    def load(self, model: str, weights: Mapping[str, Tensor], optimizer: Mapping[str, Any]) -> None:
+    def load(self, model: str, weights: Mapping[str, Tensor], optimizer: Mapping[str, Any] | None = None) -> None:
         """Every stage of `model` takes its slice of a full state dict and of a named optimizer state."""
         self.procs.call(_load, (model, dict(weights), optimizer))
 
