@@ -209,7 +209,7 @@ class PipelinedRollout(RolloutBackend):
 
     def update_weights(self, version: int) -> None:
         """Push the actor's current weights to the stages (a state dict through the command pipes)."""
-        self.stages.load("A", self.model.state_dict())
+        self.stages.load("A", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         self.policy_version = version
 
     def close(self) -> None:

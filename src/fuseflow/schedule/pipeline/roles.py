@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fuseflow.controller.group import Done, Future, WorkerFailure, WorkerGroup
@@ -43,6 +44,17 @@ from fuseflow.workers.common import (
 from fuseflow.workers.losses import minibatches
 
 
+def _cpu(tree: Any) -> Any:
+    """Tensors of a nested dict/list moved to the CPU (the stage processes run on gloo here)."""
+    if isinstance(tree, Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_cpu(v) for v in tree]
+    return tree
+
+
 def to_named(opt_state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A single-process optimizer state dict (one param group, parameters in `names` order) keyed by name."""
     return {"state": {names[i]: v for i, v in opt_state["state"].items()},
@@ -56,14 +68,18 @@ def from_named(named: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]
 
 
 def stage_cost(config: ModelConfig, kind: str, split: Sequence[int] | None, p: int) -> int:
-    """Relative time of one stage's forward: its largest stage's matmul parameters (no embedding
-    lookups), in units that make the solver's integer times ~10. Used for the plan only."""
-    from fuseflow.schedule.pipeline.stage import split_layers
+    """Relative time of one forward on the slowest stage of a model: its layers' and head's matmul
+    parameters (embedding lookups cost ~nothing), on the split the stages use (given, or balanced
+    by parameter count as `build_stage` does). Used to weigh the solver's instance only."""
+    from fuseflow.models.llama import CausalLM
+    from fuseflow.models.value import ValueModel
+    from fuseflow.schedule.pipeline.stage import balanced_split
 
-    h, layers = config.hidden_size, config.num_hidden_layers
-    per_layer = 4 * h * h + 3 * h * config.intermediate_size
-    head = h * (config.vocab_size if kind == "actor" else 1)
-    counts = list(split) if split else split_layers([per_layer] * layers, p, 0, head)
+    with torch.device("meta"):  # shapes only
+        model = (CausalLM if kind == "actor" else ValueModel)(config)
+    counts = list(split) if split else balanced_split(model, p)
+    per_layer = sum(q.numel() for q in model.model.layers[0].parameters())
+    head = config.hidden_size * (config.vocab_size if kind == "actor" else 1)
     return max(n * per_layer + (head if i == p - 1 else 0) for i, n in enumerate(counts))
 
 
@@ -102,11 +118,12 @@ class PipelineRoles:
                                    grad_clip=t.grad_clip, split=split)
         self.cost = {m: stage_cost(config, s.kind, split, p) for m, s in specs.items()}
         self.trainer = PipelineTrainer(specs, p, threads=1, timeout=120.0)
+        self.names: dict[str, list[str]] = {}  # each model's trainable parameters in its optimizer's order
         try:
             for model, group in self.groups.items():
                 state = group.trained_state()
-                self.names = getattr(self, "names", {}) | {model: state["names"]}
-                self.trainer.load(model, state["weights"], to_named(state["optimizer"], state["names"]))
+                self.names[model] = state["names"]
+                self.trainer.load(model, _cpu(state["weights"]), _cpu(to_named(state["optimizer"], state["names"])))
         except BaseException:
             self.trainer.close()
             raise
