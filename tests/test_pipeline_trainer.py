@@ -8,6 +8,7 @@ checkpoints see), the metrics, and what a dying stage process reports.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -57,9 +58,8 @@ def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, then_
     try:
         metrics = [tr.step(s) for s in range(1, steps + 1)]
         metrics[0]["batches"] = batches
-        actor = {k: v.clone() for k, v in tr.actor.trained_state()["weights"].items()}
-        critic = ({k: v.clone() for k, v in tr.critics[0].trained_state()["weights"].items()} if tr.critics
-                  else None)
+        actor = copy.deepcopy(tr.actor.trained_state())  # weights, optimizer state, parameter names
+        critic = copy.deepcopy(tr.critics[0].trained_state()) if tr.critics else None
         if then_die_at is not None:
             tr.pipeline.die_at = then_die_at
             with pytest.raises(WorkerFailure) as err:
@@ -71,6 +71,13 @@ def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, then_
 
 
 def same_weights(got, want):
+    """Weights within 1e-5, and the optimizer state handed back (what a checkpoint saves) alike."""
+    names = want["names"]
+    (got, got_opt), (want, want_opt) = (got["weights"], got["optimizer"]), (want["weights"], want["optimizer"])
+    assert set(got_opt["state"]) == set(want_opt["state"]) == set(range(len(names)))  # one Adam state each
+    for i, st in want_opt["state"].items():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(got_opt["state"][i][k], st[k], atol=1e-6, rtol=1e-4), (i, k)
     assert set(got) == set(want)
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5, rtol=0), f"{k}: max diff {(got[k] - want[k]).abs().max()}"
@@ -91,10 +98,10 @@ def test_ppo_step_with_pp2_equals_pp1_and_a_dead_stage_is_one_line(tmp_path, mod
     m1, a1, c1, _ = run(tmp_path, model_path, "ppo", [])
     m2, a2, c2, failure = run(tmp_path, model_path, "ppo", ["actor.pp=2", "critic.pp=2"], then_die_at=(1, 2))
     start = CausalLM.from_pretrained(model_path).state_dict()
-    assert max(float((a1[k] - start[k]).abs().max()) for k in start) > 1e-4  # the step moved the weights
+    assert max(float((a1["weights"][k] - start[k]).abs().max()) for k in start) > 1e-4  # the weights moved
     same_weights(a2, a1)
     same_weights(c2, c1)
-    assert float(c1["value_head.weight"].abs().max()) > 1e-4  # the critic's zero head moved too
+    assert float(c1["weights"]["value_head.weight"].abs().max()) > 1e-4  # the critic's zero head moved too
     same_metrics(m2, m1)
     assert m2[0]["pipeline/optimizer_steps"] == 4.0  # 2 epochs x 2 mini-batches, each one fused step
     text = str(failure)
