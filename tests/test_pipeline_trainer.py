@@ -123,3 +123,33 @@ def test_grpo_steps_with_pp2_and_pipelined_generation_equal_pp1(tmp_path, model_
     assert not torch.equal(m1[0]["batches"][0]["input_ids"], m1[0]["batches"][1]["input_ids"])
     same_weights(a2, a1)
     same_metrics(m2, m1)
+
+
+def held_peak(plan) -> int:
+    """Most micro-batches (of both models) a device holds between a forward and its backward."""
+    peak = 0
+    for seq in plan.order:
+        held = 0
+        for t in seq:
+            held += -1 if t.backward else 1
+            peak = max(peak, held)
+    return peak
+
+
+def test_the_run_plans_with_the_configured_solver_time_and_memory_cap():
+    """`schedule.pipeline_memory_cap` reaches the solver as a hard cap; plans are cached per count pair."""
+    from fuseflow.schedule.pipeline.roles import PipelineRoles
+
+    def roles(cap):
+        cfg = load_config("default", ["algorithm.name=ppo", "actor.pp=2", "critic.pp=2",
+                                      "schedule.pipeline_solver_seconds=1",
+                                      *([f"schedule.pipeline_memory_cap={cap}"] if cap else [])])
+        r = PipelineRoles.__new__(PipelineRoles)  # the planning part only: no stage processes
+        r.cfg, r.plans, r.cost = cfg, {}, {"A": 12, "B": 10}
+        return r
+
+    free, capped = roles(None), roles(1)
+    plan = free.plan({"A": 4, "B": 4})
+    assert free.plan({"A": 4, "B": 4}) is plan and held_peak(plan) >= 2  # overlap holds several
+    assert held_peak(capped.plan({"A": 4, "B": 4})) == 1  # capped: one micro-batch at a time
+    assert free.plan({"A": 3, "B": 5}).micro_batches == {"A": 3, "B": 5}
