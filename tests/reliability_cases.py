@@ -317,6 +317,10 @@ def write_doc(path: Path, rows: list[tuple[Case, str]]) -> None:
         "  from the last checkpoint up to `trainer.max_restarts` times (default 3 on Ray, 0 locally); past that,",
         "  the run ends with exit code 1 and one line naming the role, rank, last checkpoint and how to resume.",
         "  [recovery.md](recovery.md) records a 200-step Ray run with a worker process killed every 50 steps.",
+        "- A pipeline stage process (`actor.pp > 1`) that dies ends the step within seconds with one line naming",
+        "  the role, stage and rank and the action it was running (`... failed in actor.pipeline_update: stage",
+        "  process rank 1 (actor stage 1, critic stage 0, at action ...) died (exit code -9) during _step`;",
+        "  `tests/test_pipeline_trainer.py`), then exit code 1 as above.",
         "- Ctrl-C ends with exit code 130 and names the checkpoint that is intact.",
         "",
     ]
