@@ -78,3 +78,22 @@ def test_infeasible_problem_is_reported():
     p = Problem.build(get_model("llama-70b"), get_hardware("L40S"), 2, wl)
     with pytest.raises(ValueError, match="no feasible plan"):
         search(p)
+
+
+def test_plan_search_picks_pipelined_generation_where_a_replica_does_not_fit():
+    """A rollout set of 2 devices: with room for the whole model the search may pick replicas; where
+    only half the weights fit it picks tp1 x pp2 (pipelined generation), priced with the same decode
+    model as `generation_layouts` and to the same seconds (before the fix the search rounded a KV cap of
+    32, the whole batch, down to 30 and priced a second decode wave: 71.6 s against 51.7 s)."""
+    from dataclasses import replace
+
+    from fuseflow.sim.generation import Seq, generation_layouts
+
+    wl = Workload(prompts=32, prompt_len=LengthDist("fixed", max_len=32), response_len=LengthDist("fixed", max_len=16))
+    model, small = get_model("qwen2.5-3b"), replace(get_hardware("cpu"), mem_capacity=10e9)
+    tight = Searcher(Problem.build(model, small, 2, wl)).best_set(("rollout",), 2, True)
+    assert tight is not None and tight.gen == (1, 2)
+    want = generation_layouts(model, small, 2, [Seq(i, 32, 16) for i in range(32)], 16)["tp1.pp2 x1"]["seconds"]
+    assert tight.gen_time == pytest.approx(want, rel=1e-9)
+    roomy = Searcher(Problem.build(model, get_hardware("cpu"), 2, wl)).best_set(("rollout",), 2, True)
+    assert roomy is not None and roomy.gen == (1, 1)  # two replicas fit and decode no slower

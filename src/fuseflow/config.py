@@ -197,6 +197,9 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k
+    # 2: pipelined generation (Pipe-RLHF): the actor split over 2 stage processes with 2 batches in flight,
+    # samples token-identical to the engine's (schedule/pipeline/generate.py); 1: the backend above.
+    pipeline_stages: int = Field(1, ge=1, le=2)
 
 
 class TrainerConfig(_Section):
@@ -314,10 +317,19 @@ class PlacementConfig(_Section):
 
 class ActorScale(_Section):
     dp: int = Field(1, ge=1)  # data-parallel workers (FSDP shards over them); >1 needs backend=ray
+    # Pipeline stages of the training step (one process each, schedule/pipeline/); 1: no pipeline.
+    pp: int = Field(1, ge=1)
+    pp_split: list[int] | None = None  # decoder layers per stage; None: balanced by parameter count
 
 
 class RoleScale(_Section):
     dp: int | None = Field(None, ge=1)  # None: the same as actor.dp
+
+
+class CriticScale(RoleScale):
+    # Pipeline stages of the critic's training; with actor.pp > 1 it must equal actor.pp (PPO trains both
+    # on the same stage processes with a fused schedule, the critic's stages in the opposite direction).
+    pp: int = Field(1, ge=1)
 
 
 class ScheduleConfig(_Section):
@@ -347,6 +359,11 @@ class ScheduleConfig(_Section):
     # elastic: a prompt's predicted response length is the mean of its last predictor_window observations
     # (one per step it was drawn in); a prompt never seen gets the last step's mean length.
     predictor_window: int = Field(4, ge=1)
+    # actor.pp > 1: seconds the pipeline solver may search for each new (actor, critic) micro-batch count
+    # pair (schedules are cached per pair), and a hard cap on each stage's peak activation memory in
+    # micro-batches held (None: the solver minimises it without a cap; a cap trades makespan for memory).
+    pipeline_solver_seconds: float = Field(10.0, gt=0)
+    pipeline_memory_cap: float | None = Field(None, ge=1.0)
 
     @model_validator(mode="after")
     def _threshold_is_a_fraction(self) -> ScheduleConfig:
@@ -392,7 +409,7 @@ class Config(_Section):
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
     placement: PlacementConfig = PlacementConfig()
     actor: ActorScale = ActorScale()
-    critic: RoleScale = RoleScale()
+    critic: CriticScale = CriticScale()
     reference: RoleScale = RoleScale()
     schedule: ScheduleConfig = ScheduleConfig()
 
@@ -478,6 +495,52 @@ class Config(_Section):
                                  "(every rank takes an equal share of each mini-batch)")
         self.resolved_placement()
         return self
+
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> Config:
+        """actor.pp / critic.pp: what the pipeline-parallel training step supports (docs/pipeline.md)."""
+        a, c, name = self.actor, self.critic, self.algorithm.name
+        if a.pp_split is not None and len(a.pp_split) != a.pp:
+            raise ValueError(f"actor.pp_split={a.pp_split} needs actor.pp={a.pp} layer counts (one per stage)")
+        if a.pp_split is not None and min(a.pp_split) < 1:
+            raise ValueError(f"actor.pp_split={a.pp_split}: every stage needs at least one layer")
+        if self.rollout.pipeline_stages > 1:
+            self._pipelined_rollout_fits()
+        if a.pp == 1 and c.pp == 1:
+            return self
+        what = f"actor.pp={a.pp}" if a.pp > 1 else f"critic.pp={c.pp}"
+        if name != "ppo" and c.pp > 1:
+            raise ValueError(f"critic.pp={c.pp}: algorithm.name={name} " + (
+                "has two critics, which the pipeline does not run; use critic.pp=1 actor.pp=1" if name == "safe_ppo"
+                else "has no critic; drop critic.pp"))
+        if name == "ppo" and c.pp != a.pp:
+            raise ValueError(f"actor.pp={a.pp} critic.pp={c.pp}: PPO trains actor and critic on the same stage "
+                             f"processes (a fused schedule); set both to {max(a.pp, c.pp)}")
+        if self.backend != "local":
+            raise ValueError(f"{what} runs its stage processes on this machine (torch.distributed, gloo); it needs "
+                             f"backend=local (got backend={self.backend}); on Ray they would be a pool's workers, "
+                             "not wired yet")
+        if self.model.lora.enabled:
+            raise ValueError(f"{what} trains full weights; model.lora.enabled=true is not supported with it "
+                             "(set actor.pp=1)")
+        if self.schedule.mode != "sequential":
+            raise ValueError(f"{what} is wired for schedule.mode=sequential only (got {self.schedule.mode})")
+        return self
+
+    def _pipelined_rollout_fits(self) -> None:
+        what = f"rollout.pipeline_stages={self.rollout.pipeline_stages}"
+        if self.backend != "local":
+            raise ValueError(f"{what} runs its stage processes on this machine; it needs backend=local "
+                             f"(got backend={self.backend})")
+        if self.rollout.backend != "engine":
+            raise ValueError(f"{what} replaces the engine with pipelined stages that sample as the engine does; "
+                             f"set rollout.backend=engine (got {self.rollout.backend})")
+        if self.model.lora.enabled:
+            raise ValueError(f"{what} loads full weights into its stages; model.lora.enabled=true is not "
+                             "supported with it")
+        if self.schedule.mode != "sequential" or self.schedule.rollout_workers != 1:
+            raise ValueError(f"{what} is wired for schedule.mode=sequential with schedule.rollout_workers=1 "
+                             f"(got {self.schedule.mode}, {self.schedule.rollout_workers} workers)")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> Config:

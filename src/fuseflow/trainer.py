@@ -35,6 +35,7 @@ from fuseflow.models.source import model_dir, run_tokenizer
 from fuseflow.recipes import LagrangeMultiplier, compute_advantages, kl_controller, observed_kl, recipe_for
 from fuseflow.reward_model import RewardModel
 from fuseflow.schedule.modes import make_strategy
+from fuseflow.schedule.pipeline.roles import pipeline_roles, pipelined_rollout
 from fuseflow.schedule.stages import CRITIC_PREFIX, Roles, Stages
 from fuseflow.sft import ensure_sft_model, lr_at
 from fuseflow.tasks import Task, make_task
@@ -136,6 +137,10 @@ class RLTrainer:
             group(name, CriticWorker, partial(build_critic, ctx, name=name, prefix=CRITIC_PREFIX[name]),
                   placed_as="critic")
             for name, wanted in (("critic", self.recipe.critic), ("cost_critic", self.recipe.cost_critic)) if wanted]
+        # actor.pp > 1: the training step runs on pipeline stage processes (schedule/pipeline/roles.py).
+        self.pipeline = pipeline_roles(cfg, self.actor, self.critics)
+        # rollout.pipeline_stages=2: generation on 2 stage processes, batches in flight (Pipe-RLHF).
+        self.pipelined_rollout = pipelined_rollout(cfg, self.actor, self.tokenizer.pad_token_id)
         self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
                          else None)
         self.kl_ctl = kl_controller(a)  # fixed kl_coef, or adaptive toward algorithm.kl_target
@@ -176,12 +181,8 @@ class RLTrainer:
             warnings.warn(f"step {step}: the reward function returned NaN for "
                           f"{int(torch.isnan(batch['scores']).sum())} samples; skipping this update", stacklevel=2)
             metrics["train/skipped_update"] = 1.0
-        else:  # critics, then the actor; side by side on pools of their own (split placement) or when fused
-            updates = {f"{c.role}_update": partial(c.update.future, batch, lr(cfg.trainer.critic_lr),
-                                                   seed=cfg.seed + 7 * step) for c in self.critics}
-            updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
-                                              seed=cfg.seed + step)
-            for m in self.strategy.train(step, updates).values():
+        else:
+            for m in self.strategy.train(step, self.update_calls(step, batch, lr, kl_coef)).values():
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
         with span("weight_sync", step):
@@ -195,6 +196,20 @@ class RLTrainer:
                     "perf/samples_per_second": len(batch) / seconds,
                     "perf/tokens_per_second": n_tokens / seconds, "train/lr": lr(cfg.trainer.lr)}
         return metrics
+
+    def update_calls(self, step: int, batch: Batch, lr, kl_coef: float) -> dict:
+        """The step's training calls for the strategy: each critic's update, then the actor's (side by side
+        on pools of their own, or when fused); with ``actor.pp > 1`` one call that trains them all on the
+        pipeline's stage processes. Mini-batch shuffles are seeded per model and step either way."""
+        cfg = self.cfg
+        if self.pipeline is not None:
+            return self.pipeline.updates(batch, lr(cfg.trainer.lr), lr(cfg.trainer.critic_lr), kl_coef,
+                                         actor_seed=cfg.seed + step, critic_seed=cfg.seed + 7 * step)
+        updates = {f"{c.role}_update": partial(c.update.future, batch, lr(cfg.trainer.critic_lr),
+                                               seed=cfg.seed + 7 * step) for c in self.critics}
+        updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
+                                          seed=cfg.seed + step)
+        return updates
 
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Generate, score and infer (old/reference log-probs, values): the part ``schedule.mode`` schedules."""
@@ -257,6 +272,9 @@ class RLTrainer:
 
     def close(self) -> None:
         self.strategy.close()
+        for pipeline in (self.pipeline, self.pipelined_rollout):
+            if pipeline is not None:
+                pipeline.close()
         self.tracer.save()
         self.metrics.close()
         self.cluster.shutdown()

@@ -89,6 +89,9 @@ def plan_config_tree(problem: Problem, cand) -> tuple[dict, list[str]]:
         placement.setdefault(role, placement["actor"])
     if policy != "sequential":
         notes.append(f"schedule.mode is sequential: fuseflow runs {policy} on the local backend only")
+    if plan.gen[1] > 1:
+        notes.append(f"pipelined generation (pp{plan.gen[1]}): fuseflow runs it with rollout.pipeline_stages=2 on "
+                     "the local backend only; this config generates unpipelined")
     notes.append("set model.path to the actor's checkpoint" + (" and reward.model to the reward model"
                                                                if "reward" in problem.roles else ""))
     tree = {

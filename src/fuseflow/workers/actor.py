@@ -8,11 +8,7 @@ from pathlib import Path
 import torch
 
 from fuseflow.algorithms import (
-    aggregate,
-    call_with_inputs,
     get_policy_loss,
-    kl_penalty,
-    masked_mean,
 )
 from fuseflow.controller.worker import Worker, register
 from fuseflow.data.batch import Batch
@@ -28,17 +24,8 @@ from .common import (
     train_microbatches,
 )
 from .evaluation import HeldOut
+from .losses import actor_loss, minibatches
 from .parallel import TrainableRole
-
-
-def minibatches(n: int, size: int, epochs: int, seed: int) -> list[torch.Tensor]:
-    """Index sets of each optimizer step: a fresh shuffle per epoch from a seeded generator."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=g)
-        out.extend(perm[i : i + size] for i in range(0, n, size))
-    return out
 
 
 class ReferenceWorker(Worker):
@@ -136,6 +123,12 @@ class ActorWorker(TrainableRole, ReferenceWorker):
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr, weight_decay=trainer.weight_decay,
                                            betas=(0.9, 0.95))
 
+    @register("one_to_all", collect="rank_zero")
+    def use_rollout(self, rollout: RolloutBackend) -> None:
+        """Generate with ``rollout`` from now on (in-process: the pipelined rollout, which holds this
+        worker's model and pushes its weights to its stage processes at each weight sync)."""
+        self.rollout = rollout
+
     @register("dp_split")
     def generate(self, requests: list[RolloutRequest]) -> list[Sample]:
         samples = list(self.rollout.generate(requests))
@@ -160,29 +153,13 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             rec: dict[str, float] = {}
             for mb in train_microbatches(self, mini, self.token_budget, self.mbs):
                 mb = mb.to(self.device)
-                mask = mb["response_mask"]
                 with autocast(self.device, self.dtype):
                     logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
-                # old_logprobs (before this update) is PPO's anchor and the decoupled loss's proximal policy.
-                pg_loss, m = call_with_inputs(
-                    self.policy_loss, logprobs=logp, old_logprobs=mb["old_logprobs"],
-                    proximal_logprobs=mb["old_logprobs"], behavior_logprobs=mb["behavior_logprobs"],
-                    advantages=mb["advantages"], mask=mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                    is_cap=algo.is_cap, tis_cap=algo.rollout_is_cap if algo.rollout_is == "tis" else None,
-                    agg=algo.loss_agg, num_global_tokens=n_tok, num_global_seqs=n_seq,
-                    norm_len=self.norm_len)
-                loss = pg_loss
-                if not algo.kl_in_reward and kl_coef > 0:
-                    kl = aggregate(kl_penalty(logp, mb["ref_logprobs"], algo.kl_kind), mask, algo.loss_agg,
-                                   n_tok, n_seq, self.norm_len)
-                    loss = loss + kl_coef * kl
+                loss, metrics = actor_loss(self.policy_loss, algo, logp, entropy, mb, kl_coef, n_tok, n_seq,
+                                           self.norm_len)
                 self.backward(loss)
-                share = float(mask.sum() / n_tok)  # this micro-batch's share of the mini-batch metrics
-                for k, v in {"actor/pg_loss": pg_loss, "actor/loss": loss, "actor/clip_frac": m["clip_frac"],
-                             "actor/approx_kl": m["approx_kl"],
-                             "actor/entropy": masked_mean(entropy.detach(), mask),
-                             **{f"actor/{k}": m[k] for k in ("is_weight_mean", "is_cap_frac") if k in m}}.items():
-                    rec[k] = rec.get(k, 0.0) + float(v.detach()) * (1.0 if k.endswith("loss") else share)
+                for k, v in metrics.items():
+                    rec[k] = rec.get(k, 0.0) + v
             rec = self.all_reduce_sum(rec)
             self.reduce_replicated_grads()
             rec["actor/grad_norm"] = clipped_step(self.model, self.optimizer, self.cfg.grad_clip, "actor")

@@ -120,8 +120,8 @@ def match_peer_count(worker, chunks: list[list[int]]) -> list[list[int]]:
     rank, so a rank with fewer micro-batches would leave its peers waiting until the collective
     timeout. Ranks hold equal row counts (``dp_split`` pads them), so the largest count fits.
     """
-    if not (worker.dist.distributed and worker.world_size > 1):
-        return chunks
+    if worker is None or not (worker.dist.distributed and worker.world_size > 1):
+        return chunks  # one process (or a pipeline stage, whose peers are not data-parallel)
     counts = torch.zeros(worker.world_size)
     counts[worker.rank] = len(chunks)
     need = int(worker.all_reduce_tensor(counts).max())

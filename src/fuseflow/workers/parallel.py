@@ -66,6 +66,21 @@ class TrainableRole(Worker):
         if self.sharded:
             copy_full_weights(self.model, self.plain)
 
+    @register("rank_zero")
+    def trained_state(self) -> dict:
+        """The model's state dict, the optimizer's and the names of the parameters it steps (in its order):
+        what a pipeline-parallel step (``schedule.pipeline.roles``) starts its stages from."""
+        names = [n for n, p in self.plain.named_parameters() if p.requires_grad]
+        return {"weights": self.plain.state_dict(), "optimizer": self.optimizer.state_dict(), "names": names}
+
+    @register("one_to_all", collect="rank_zero")
+    def load_trained(self, weights: dict[str, torch.Tensor], optimizer: dict) -> None:
+        """Take the weights and optimizer state a pipeline-parallel step trained (``trained_state``'s layout).
+
+        The weights are copied into the live tensors, so a rollout sharing them sees the update."""
+        self.plain.load_state_dict(weights)
+        self.optimizer.load_state_dict(optimizer)
+
     @register("one_to_all", collect="rank_zero")
     def save(self, ckpt_dir: str) -> None:
         """Write ``<ckpt_dir>/<role>/`` (HF model, or a LoRA policy's peft adapter) and ``optim_<role>.*`` as a single-process run does."""

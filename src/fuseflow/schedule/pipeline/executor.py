@@ -59,6 +59,7 @@ class ModelStage:
     grad_clip: float | None = None
     role: str = "actor"
     losses: list[float] = field(default_factory=list)  # per micro-batch loss share (last stage only)
+    grad_norm: float = 0.0  # the global gradient norm of the last optimizer step (before clipping)
 
     def hidden_shape(self, mb: int) -> tuple[int, int, int]:
         b, t = self.micro_batches[mb]["input_ids"].shape
@@ -198,7 +199,7 @@ def run_step(
         on_action(-1)
     ch.flush(f"rank {rank}")
     for model in sorted(stages):
-        optimizer_step(stages[model])
+        stages[model].grad_norm = optimizer_step(stages[model])
     return StepTimes(log, compute_end, time.perf_counter() - t0)
 
 

@@ -15,14 +15,16 @@ and the KV cache, as in the foundation sampler.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fuseflow.rollout.base import RolloutRequest, Sample
+from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 from fuseflow.rollout.engine.sampling import sample_tokens
 from fuseflow.rollout.engine.sequence import Sequence
 from fuseflow.schedule.pipeline.procs import Context
@@ -180,3 +182,35 @@ def replica_command(state, rank: int, ctx: Context, reqs: list[RolloutRequest], 
     t0 = time.perf_counter()
     out = list(sampler.generate(mine))
     return out, time.perf_counter() - t0
+
+
+class PipelinedRollout(RolloutBackend):
+    """A run's rollout (`rollout.pipeline_stages=2`): the actor's weights on 2 stage processes, `groups`
+    batches in flight, samples token-identical to the engine's for the same seeds.
+
+    `model` is the actor's live model (the role worker's); its weights go to the stages when this
+    starts and at every `update_weights` (the weight sync after each update). Example:
+        rollout = PipelinedRollout(actor_model, pad_id=0); samples = list(rollout.generate(requests))
+    """
+
+    def __init__(self, model, pad_id: int, groups: int = 2, timeout: float = 120.0):
+        from fuseflow.schedule.pipeline.train import ModelSpec, PipelineTrainer
+
+        self.model, self.pad_id, self.groups, self.timeout = model, pad_id, groups, timeout
+        self.stages = PipelineTrainer({"A": ModelSpec("actor", model.config)}, 2, timeout=timeout)
+        self.update_weights(0)
+
+    def generate(self, requests: Iterable[RolloutRequest]) -> Iterator[Sample]:
+        reqs = list(requests)
+        if not reqs:
+            return iter(())
+        _, (samples, _) = self.stages.procs.call(generate_command, (reqs, self.pad_id, self.groups, self.timeout))
+        return iter([dataclasses.replace(s, policy_version=self.policy_version) for s in samples])
+
+    def update_weights(self, version: int) -> None:
+        """Push the actor's current weights to the stages (a state dict through the command pipes)."""
+        self.stages.load("A", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        self.policy_version = version
+
+    def close(self) -> None:
+        self.stages.close()

@@ -25,7 +25,11 @@ from typing import Any
 
 
 class StageFailure(RuntimeError):
-    """A stage process died or failed during a command; the message is one line."""
+    """A stage process died or failed during a command; the message is one line. `rank`: whose."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class Context:
@@ -160,8 +164,8 @@ class StageProcesses:
             where = self._where(rank)
             self.close(force=True)
             if dead:
-                raise StageFailure(f"stage process {where} {errors[rank]} during {what}")
-            raise StageFailure(f"{what} failed on {where}: {errors[rank]}")
+                raise StageFailure(f"stage process {where} {errors[rank]} during {what}", rank)
+            raise StageFailure(f"{what} failed on {where}: {errors[rank]}", rank)
         return results
 
     def close(self, force: bool = False) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -36,6 +36,9 @@ from fuseflow.schedule.pipeline.stage import build_stage
 from fuseflow.workers.common import clipped_step, position_ids, response_logprobs, response_slice
 
 MicroBatch = dict[str, Tensor]
+# A model's loss for one step: micro-batches -> LossFn (a picklable callable; it may keep `records`,
+# per-micro-batch metrics the last stage hands back with the step's results).
+LossFactory = Callable[[Sequence[Mapping[str, Tensor]]], LossFn]
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,8 @@ def _setup(rank: int, world: int, specs: Mapping[str, ModelSpec]) -> dict[str, A
 
 
 def _step(state, rank: int, ctx: Context, plan: Plan, mbs: Mapping[str, list[MicroBatch]],
-          timeout: float, die_at: tuple[int, int] | None) -> dict[str, Any]:
+          timeout: float, die_at: tuple[int, int] | None, losses: Mapping[str, LossFactory] | None = None,
+          lrs: Mapping[str, float] | None = None) -> dict[str, Any]:
     world = plan.n_devices
     stages = {}
     for model in plan.micro_batches:
@@ -141,8 +145,11 @@ def _step(state, rank: int, ctx: Context, plan: Plan, mbs: Mapping[str, list[Mic
         spec = state["specs"][model]
         device = next(module.parameters()).device
         mbs = {**mbs, model: [{k: v.to(device) for k, v in mb.items()} for mb in mbs[model]]}
-        stages[model] = ModelStage(module, stage, world, mbs[model], loss_fn(spec, mbs[model]), opt,
-                                   spec.grad_clip, ROLES[model])
+        fn = losses[model](mbs[model]) if losses and model in losses else loss_fn(spec, mbs[model])
+        if lrs and model in lrs:
+            for group in opt.param_groups:
+                group["lr"] = lrs[model]
+        stages[model] = ModelStage(module, stage, world, mbs[model], fn, opt, spec.grad_clip, ROLES[model])
 
     def on_action(i: int) -> None:
         ctx.on_action(i)
@@ -150,7 +157,36 @@ def _step(state, rank: int, ctx: Context, plan: Plan, mbs: Mapping[str, list[Mic
             os.kill(os.getpid(), signal.SIGKILL)
 
     times = run_step(plan, rank, stages, timeout, on_action)
-    return {"times": times, "losses": {m: st.losses for m, st in stages.items() if st.stage == world - 1}}
+    last = {m: st for m, st in stages.items() if st.stage == world - 1}
+    return {"times": times, "losses": {m: st.losses for m, st in last.items()},
+            "metrics": {m: list(getattr(st.loss_fn, "records", [])) for m, st in last.items()},
+            "grad_norm": {m: st.grad_norm for m, st in stages.items()}}
+
+
+def _load(state, rank: int, ctx: Context, model: str, weights: Mapping[str, Tensor],
+          optimizer: Mapping[str, Any] | None) -> None:
+    """This rank's stage of `model` takes its slice of the full `weights` and of the named optimizer
+    state (`optimizer`: `param_groups` plus `state` by parameter name; None: weights only)."""
+    _, module, opt = state["stages"][model]
+    own = module.state_dict()
+    module.load_state_dict({k: weights[k] for k in own})
+    if optimizer is None:
+        return
+    names = [n for n, _ in module.named_parameters()]
+    alias = {"lm_head.weight": "model.embed_tokens.weight"} if module.config.tie_word_embeddings else {}
+    by_name = optimizer["state"]
+    opt.load_state_dict({
+        "state": {i: by_name[alias.get(n, n)] for i, n in enumerate(names) if alias.get(n, n) in by_name},
+        "param_groups": [{**optimizer["param_groups"][0], "params": list(range(len(names)))}],
+    })
+
+
+def _optimizer(state, rank: int, ctx: Context, model: str) -> dict[str, Any]:
+    """This rank's optimizer state of `model` by parameter name."""
+    _, module, opt = state["stages"][model]
+    sd = opt.state_dict()
+    names = [n for n, _ in module.named_parameters()]
+    return {"state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
 
 
 def _reset(state, rank: int, ctx: Context) -> None:
@@ -190,10 +226,13 @@ class PipelineTrainer:
         return held
 
     def step(self, plan: Plan, micro_batches: Mapping[str, list[MicroBatch]],
-             die_at: tuple[int, int] | None = None) -> list[dict[str, Any]]:
-        """One optimizer step of every model in `plan`; per rank its `StepTimes` and the
-        losses of the stages it ends. Raises InvalidPlan before running a bad plan and
-        StageFailure (one line) if a process dies or a wait times out."""
+             die_at: tuple[int, int] | None = None, losses: Mapping[str, LossFactory] | None = None,
+             lrs: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+        """One optimizer step of every model in `plan`; per rank its `StepTimes`, the losses
+        (and loss `metrics` records) of the stages it ends and each model's `grad_norm`.
+        `losses` replaces a model's default loss (`loss_fn`), `lrs` sets its learning rate.
+        Raises InvalidPlan before running a bad plan and StageFailure (one line) if a
+        process dies or a wait times out."""
         validate(plan)
         if plan.n_devices != self.n:
             raise ValueError(f"plan has {plan.n_devices} devices; this trainer runs {self.n} stages")
@@ -202,11 +241,25 @@ class PipelineTrainer:
                 raise ValueError(f"plan wants {m} micro-batches of model {model}; "
                                  f"got {len(micro_batches.get(model, ()))}")
         self.plan = plan
-        return self.procs.call(_step, (plan, dict(micro_batches), self.timeout, die_at))
+        return self.procs.call(_step, (plan, dict(micro_batches), self.timeout, die_at, losses, lrs))
 
     def reset(self) -> None:
         """Rebuild every stage from its model's seed, with fresh optimizers."""
         self.procs.call(_reset)
+
+    def load(self, model: str, weights: Mapping[str, Tensor], optimizer: Mapping[str, Any] | None = None) -> None:
+        """Every stage of `model` takes its slice of a full state dict and of a named optimizer state."""
+        self.procs.call(_load, (model, dict(weights), optimizer))
+
+    def optimizer_state(self, model: str) -> dict[str, Any]:
+        """`model`'s optimizer state by parameter name, gathered from its stages (tied copy once)."""
+        out: dict[str, Any] = {"state": {}, "param_groups": None}
+        for per_rank in self.procs.call(_optimizer, (model,)):
+            for name, v in per_rank["state"].items():
+                out["state"].setdefault("model.embed_tokens.weight" if name == "lm_head.weight" and
+                                        self.specs[model].config.tie_word_embeddings else name, v)
+            out["param_groups"] = out["param_groups"] or per_rank["param_groups"]
+        return out
 
     def state_dicts(self) -> dict[str, dict[str, Tensor]]:
         """Each model's full state dict, gathered from its stages (tied copies included)."""
