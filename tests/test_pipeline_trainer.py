@@ -110,9 +110,19 @@ def test_ppo_step_with_pp2_equals_pp1_and_a_dead_stage_is_one_line(tmp_path, mod
     assert "died (exit code -9)" in text, text
 
 
-def test_grpo_steps_with_pp2_and_pipelined_generation_equal_pp1(tmp_path, model_path):
-    """GRPO (no critic): the actor alone in 1F1B, generating on 2 other stage processes with 2 batches in
-    flight; two steps, so the second starts from handed-back weights and generates with pushed ones."""
+def test_grpo_steps_with_pp2_equal_pp1(tmp_path, model_path):
+    """GRPO (no critic): the actor alone in 1F1B; two steps, so the second starts from handed-back state."""
+    m1, a1, _, _ = run(tmp_path, model_path, "grpo", [], steps=2)
+    m2, a2, c2, _ = run(tmp_path, model_path, "grpo", ["actor.pp=2"], steps=2)
+    assert c2 is None
+    same_weights(a2, a1)
+    same_metrics(m2, m1)
+
+
+@pytest.mark.slow  # 4 stage processes (training and generation): ~20 s at load 5
+def test_grpo_with_pp2_and_pipelined_generation_equals_pp1_on_the_engine(tmp_path, model_path):
+    """The actor generates on 2 other stage processes with 2 batches in flight; two steps, so the second
+    generates with the weights pushed after the first update."""
     m1, a1, _, _ = run(tmp_path, model_path, "grpo", [], steps=2)
     m2, a2, c2, _ = run(tmp_path, model_path, "grpo", ["actor.pp=2", "rollout.pipeline_stages=2"], steps=2)
     assert c2 is None
