@@ -19,8 +19,8 @@ HOLD_S = 30.0  # longest hold; the test fails (no migration) rather than hangs i
 
 
 def held_tail(build, ctx):
-    """``build(ctx)``'s (engine, scorer), the engine holding its tail as the module says."""
-    engine, scorer = build(ctx)
+    """``build(ctx)``'s (engine, scorers...), the engine holding its tail as the module says."""
+    engine, *scorers = build(ctx)
     step, add, abort = engine.step, engine.add, engine.abort
     state = {"finished": 0, "release": threading.Event()}
 
@@ -44,4 +44,4 @@ def held_tail(build, ctx):
         return abort(uids)
 
     engine.step, engine.add, engine.abort = held_step, held_add, held_abort
-    return engine, scorer
+    return engine, *scorers

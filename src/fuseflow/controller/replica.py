@@ -44,11 +44,14 @@ ROLE = "rollout"  # how errors name a replica: "rollout worker rank i (pool NAME
 class RolloutReplica:
     """One rollout replica process: ``builder()`` makes its engine (its own model copy) where it runs."""
 
-    def __init__(self, builder: Callable[[], Engine | tuple[Engine, Any]], index: int, threads: int = 1):
+    def __init__(self, builder: Callable[[], Engine | tuple], index: int, threads: int = 1):
         torch.set_num_threads(max(1, threads))
         self.index = index
-        built = builder()  # the engine, or (engine, scorer): a worker with ``compute_logprobs`` on its model
-        self.engine, self.scorer = built if isinstance(built, tuple) else (built, None)
+        # The engine, or (engine, scorer[, reference scorer]): workers with ``compute_logprobs`` on its
+        # model and on a copy of the frozen reference.
+        built = builder()
+        self.engine, self.scorer, self.ref_scorer = (*built, None, None)[:3] if isinstance(built, tuple) else (
+            built, None, None)
         self.group: WeightGroup | None = None
         self._lock = threading.Lock()  # a decode loop ends and ``add`` hands it samples atomically
         self._running = False
@@ -62,7 +65,7 @@ class RolloutReplica:
         """Engine capacity (for the migration plan) and the weights' signature (checked against the trainer's)."""
         e = self.engine
         return {"config": e.config, "kv_tokens": e.num_blocks * e.config.block_size, "pid": os.getpid(),
-                "scores": self.scorer is not None,
+                "scores": self.scorer is not None, "scores_reference": self.ref_scorer is not None,
                 "signature": signature(e.model), "version": e.policy_version}
 
     # ------------------------------------------------------------------ generation
@@ -128,18 +131,22 @@ class RolloutReplica:
             seqs = [*e.scheduler.running, *e.scheduler.waiting]
             return [PendingSample(s.uid, len(s.response), s.max_len - len(s.tokens), len(s.tokens)) for s in seqs]
 
-    def compute_logprobs(self, batch) -> Any:
-        """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights.
+    def compute_logprobs(self, batch, reference: bool = False) -> Any:
+        """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights, or
+        (``reference``) under its copy of the frozen reference.
 
-        Once synced these are the actor's, so a replica with nothing to decode takes the old
-        log-probs off the roles' process (RLHFuse: freed rollout workers run inference).
+        Once synced the weights are the actor's, so a replica with nothing to decode takes the old
+        log-probs, and at any time the reference log-probs, off the roles' process (RLHFuse: freed
+        rollout workers run inference).
         """
         from .dispatch import from_wire, to_wire
 
-        if self.scorer is None:
-            raise RuntimeError(f"rollout replica {self.index} was built without a scorer")
+        scorer = self.ref_scorer if reference else self.scorer
+        if scorer is None:
+            raise RuntimeError(f"rollout replica {self.index} was built without a "
+                               f"{'reference ' if reference else ''}scorer")
         t0 = time.perf_counter()
-        out = self.scorer.compute_logprobs(from_wire(batch))
+        out = scorer.compute_logprobs(from_wire(batch))
         return to_wire(out), time.perf_counter() - t0
 
     def step_log(self) -> list[tuple[int, float]]:
@@ -230,6 +237,11 @@ class ReplicaSet:
     def scores(self) -> bool:
         """Whether the replicas can compute log-probs (``RolloutReplica.compute_logprobs``)."""
         return all(i["scores"] for i in self._info())
+
+    @property
+    def scores_reference(self) -> bool:
+        """Whether the replicas hold a copy of the reference and compute its log-probs."""
+        return all(i.get("scores_reference", False) for i in self._info())
 
     @property
     def pids(self) -> list[int]:
