@@ -6,6 +6,7 @@ engine (no replicas), so equal samples also show that the replicas' weights trac
 """
 
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -73,7 +74,15 @@ def _same_training(a, b):
                 assert y[k] == pytest.approx(v, rel=1e-3, abs=1e-5), k
 
 
-def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_path, sft_cache, sequential):
+def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_path, sft_cache, sequential,
+                                                                           monkeypatch):
+    import fuseflow.trainer
+    from ray_hooks import held_tail
+
+    # Each replica holds its tail until the controller migrates, so the step is in its tail with both
+    # replicas decoding when the trigger fires (whatever the machine's load); the tokens are unchanged.
+    monkeypatch.setattr(fuseflow.trainer, "build_rollout_engine",
+                        partial(held_tail, fuseflow.trainer.build_rollout_engine))
     synced = {}
 
     def check_weights(tr):
@@ -92,7 +101,7 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
     assert synced["bitwise"] == [True, True]
     assert synced["sent"] == synced["expected"]  # the parameters once each, in buckets: no state-dict pickle
     assert len(synced["pids"]) == 2  # two replica processes
-    assert sum(m["schedule/migrated_samples"] for m in fused[1]) > 0  # the tail moved between processes
+    assert all(m["schedule/migrated_samples"] > 0 for m in fused[1])  # the tail moved between processes
     assert sum(m["schedule/replica_logprob_batches"] for m in fused[1]) > 0  # freed replicas took inference
     assert fused[1][1]["rollout/weight_sync_mb"] == pytest.approx(synced["sent"] / 2**20)
     versions = [set(b.meta["policy_version"]) for b in fused[0]]
@@ -183,8 +192,9 @@ def test_async_replicas_resume_exactly(tmp_path, sft_cache):
     train(cfg, tmp_path / "cut", stop_after=2)
     assert (tmp_path / "cut/checkpoints/step_2/prefetch.json").is_file()  # step 3 was generated already
     train(cfg, tmp_path / "cut", resume=True)
-    keep = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "trace/", "rollout/weight"))}  # noqa: E731
-                         for r in rows]
+    # Where inference ran (which replica was free: schedule/replica_*) depends on timing; what trained may not.
+    drop = ("time/", "perf/", "trace/", "rollout/weight", "schedule/replica_")
+    keep = lambda rows: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]  # noqa: E731
     full, cut = keep(read_metrics(tmp_path / "full")), keep(read_metrics(tmp_path / "cut"))
     assert [r["step"] for r in cut] == [1, 2, 3]
     assert cut[2]["async/staleness_max"] == 1  # trained on the saved samples, not regenerated ones

@@ -24,7 +24,13 @@ that many times in alternating order and reports its (lower) median run.
 ``backend="ray"`` runs every mode (``sequential`` included) with ``workers`` rollout replica processes
 on a pool of their own (``placement.rollout``), the roles in one more process; CPU seconds then sum
 the controller's and every worker process's (``/proc``), and ``weight_sync_seconds_per_mb`` is the
-mean over all modes' syncs of the broadcast's seconds per MB sent to each replica. ``speedup_vs_trl`` comes from
+mean over all modes' syncs of the broadcast's seconds per MB sent to each replica. On Ray every mode
+also reports ``roles_busy_seconds_per_step``: the seconds per timed step the roles' worker processes
+spent in calls (``time/worker_compute``: updates, critic values, the reward, and whatever log-probs the
+replicas did not take). Where the roles share one process of one slot (the default here), those calls
+run one at a time, so no schedule on that placement makes a step shorter than the least of them:
+``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
+``speedup_bound`` (which assumes the least CPU work spreads over every core). ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -74,7 +80,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
 
     cfg = load_config("sort", fusion_overrides(mode, workers, steps, quick, extra, backend))
     tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
-    walls, cpus, rewards, busy, migrated, stale, held, syncs = [], [], [], [], [], [], [], []
+    walls, cpus, rewards, busy, migrated, stale, held, syncs, roles = [], [], [], [], [], [], [], [], []
     clock = _cpu_clock(tr)
     try:
         last, last_cpu = time.perf_counter(), clock()
@@ -89,6 +95,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             migrated.append(m.get("schedule/migrated_samples", 0.0))
             stale.append(m.get("async/staleness_mean", 0.0))
             held.append(m["time/rollout_worker_seconds"])
+            roles.append(m["time/worker_compute"])
             if m.get("rollout/weight_sync_mb"):
                 syncs.append(m["time/rollout_weight_sync"] / m["rollout/weight_sync_mb"])
             log(f"{mode} step {step}: {walls[-1]:.1f}s reward {rewards[-1]:.3f} busy {busy[-1]:.2f}")
@@ -103,7 +110,8 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             "worker_seconds": statistics.mean(held[1:] if len(held) > 1 else held),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n,
-            "weight_sync_seconds_per_mb_per_step": syncs}
+            "weight_sync_seconds_per_mb_per_step": syncs,
+            "roles_busy_seconds_per_step": statistics.mean(roles[1:] if len(roles) > 1 else roles)}
 
 
 def _cpu_clock(trainer):
@@ -141,6 +149,23 @@ def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
     seq = modes["sequential"]
     least = min(r["cpu_seconds_per_step"] for r in modes.values())
     return seq["samples_per_step"] / seq["samples_per_second"] / (least / cores)
+
+
+def speedup_bound_placement(modes: dict[str, dict]) -> float | None:
+    """Upper bound on any schedule's speedup over ``sequential`` when the roles' calls run one at a time
+    (one roles process): sequential's mean step over the least roles-busy seconds per step of any mode.
+    None without a sequential run.
+
+    >>> speedup_bound_placement({"sequential": {"samples_per_step": 256, "samples_per_second": 64.0,
+    ...                                         "roles_busy_seconds_per_step": 3.0},
+    ...                          "fused": {"roles_busy_seconds_per_step": 2.5}})
+    1.6
+    """
+    if "sequential" not in modes:
+        return None
+    seq = modes["sequential"]
+    least = min(r["roles_busy_seconds_per_step"] for r in modes.values())
+    return seq["samples_per_step"] / seq["samples_per_second"] / least
 
 
 def _workers_busy(m: dict, workers: int) -> float:
@@ -223,6 +248,9 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
+    placed = speedup_bound_placement(results) if backend == "ray" else None
+    if placed is not None:
+        out["speedup_bound_placement"] = placed
     if plot is not None:
         out["plot"] = str(plot_reward_vs_time(results, plot))
     if trl_steps:
@@ -270,6 +298,9 @@ def register(bench_app) -> None:
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
+        if "speedup_bound_placement" in result:
+            console.print(f"with the roles' calls one at a time (one roles process): at most "
+                          f"x{result['speedup_bound_placement']:.2f}", soft_wrap=True)
         if "weight_sync_seconds_per_mb" in result:
             console.print(f"weight sync {result['weight_sync_seconds_per_mb']:.4f} s/MB per replica", soft_wrap=True)
         if "speedup_vs_trl" in result:

@@ -51,8 +51,11 @@ class RolloutReplica:
     def __init__(self, builder: Callable[[], Any], index: int, threads: int = 1):
         torch.set_num_threads(max(1, threads))
         self.index = index
-        built = builder()  # the engine, or (engine, scorer): a worker with ``compute_logprobs`` on its model
-        self.engine, self.scorer = built if isinstance(built, tuple) else (built, None)
+        # The engine, or (engine, scorer[, reference scorer]): workers with ``compute_logprobs`` on its
+        # model and on a copy of the frozen reference.
+        built = builder()
+        self.engine, self.scorer, self.ref_scorer = (*built, None, None)[:3] if isinstance(built, tuple) else (
+            built, None, None)
         self.model: torch.nn.Module = self.engine.model
         self.sync_metrics: dict[str, float] = {}  # the engine's own part of the last sync (vLLM's push)
         self.group: WeightGroup | None = None
@@ -69,8 +72,8 @@ class RolloutReplica:
         e = self.engine
         config = e.config if isinstance(e, Engine) else EngineConfig(e.max_num_seqs, e.kv_budget_tokens)
         return {"config": config, "kv_tokens": e.kv_capacity_tokens(), "pid": os.getpid(),
-                "scores": self.scorer is not None, "backend": type(e).__name__,
-                "signature": signature(self.model), "version": e.policy_version}
+                "scores": self.scorer is not None, "scores_reference": self.ref_scorer is not None,
+                "backend": type(e).__name__, "signature": signature(self.model), "version": e.policy_version}
 
     # ------------------------------------------------------------------ generation
     def stream(self, requests: list[RolloutRequest], background: bool = False) -> Iterator[Sample]:
@@ -132,18 +135,22 @@ class RolloutReplica:
         """Unfinished samples with their KV held now and tokens still allowed (as ``RolloutPool.pending``)."""
         return [PendingSample(*row) for row in self.engine.pending_samples()]
 
-    def compute_logprobs(self, batch) -> Any:
-        """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights.
+    def compute_logprobs(self, batch, reference: bool = False) -> Any:
+        """(B, Tr) log-probs of a micro-batch (wire data in and out) under this replica's weights, or
+        (``reference``) under its copy of the frozen reference.
 
-        Once synced these are the actor's, so a replica with nothing to decode takes the old
-        log-probs off the roles' process (RLHFuse: freed rollout workers run inference).
+        Once synced the weights are the actor's, so a replica with nothing to decode takes the old
+        log-probs, and at any time the reference log-probs, off the roles' process (RLHFuse: freed
+        rollout workers run inference).
         """
         from .dispatch import from_wire, to_wire
 
-        if self.scorer is None:
-            raise RuntimeError(f"rollout replica {self.index} was built without a scorer")
+        scorer = self.ref_scorer if reference else self.scorer
+        if scorer is None:
+            raise RuntimeError(f"rollout replica {self.index} was built without a "
+                               f"{'reference ' if reference else ''}scorer")
         t0 = time.perf_counter()
-        out = self.scorer.compute_logprobs(from_wire(batch))
+        out = scorer.compute_logprobs(from_wire(batch))
         return to_wire(out), time.perf_counter() - t0
 
     def step_log(self) -> list[tuple[int, float]]:
@@ -241,6 +248,11 @@ class ReplicaSet:
     def scores(self) -> bool:
         """Whether the replicas can compute log-probs (``RolloutReplica.compute_logprobs``)."""
         return all(i["scores"] for i in self._info())
+
+    @property
+    def scores_reference(self) -> bool:
+        """Whether the replicas hold a copy of the reference and compute its log-probs."""
+        return all(i.get("scores_reference", False) for i in self._info())
 
     @property
     def pids(self) -> list[int]:

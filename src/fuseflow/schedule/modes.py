@@ -97,7 +97,7 @@ class Pooled(Strategy):
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
-        self._scored = 0
+        self._scored = self._scored_ref = 0
         if resumed_from is not None:
             self._restore(resumed_from)
 
@@ -200,10 +200,10 @@ class Pooled(Strategy):
         migrated = 0
         threshold = self._threshold()
 
-        old_logprob = self._replica_logprobs(step)
+        old_logprob, ref_logprob = self._replica_logprobs(step), self._replica_ref_logprobs()
 
         def submit(group: list[Sample], names: tuple[str, ...]) -> None:
-            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of, old_logprob)))
+            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)))
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
 
@@ -261,8 +261,8 @@ class Pooled(Strategy):
         if not missing:
             return
         prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
-        tasks, old_logprob = TaskQueue(), self._replica_logprobs(step)
-        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob))
+        tasks, old_logprob, ref_logprob = TaskQueue(), self._replica_logprobs(step), self._replica_ref_logprobs()
+        results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob, ref_logprob))
                    for g in _by_length(gen.samples, self.s.token_budget)]
         tasks.closed.set()
         self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks,
@@ -286,6 +286,12 @@ class Pooled(Strategy):
         if self.pool.threaded or self.pool.policy_version != step - 1:
             return None
         return self.pool.logprobs_future
+
+    def _replica_ref_logprobs(self) -> Callable | None:
+        """Replica processes may compute reference log-probs at any time (a frozen copy each); None on threads."""
+        if self.pool.threaded:
+            return None
+        return lambda batch: self.pool.logprobs_future(batch, reference=True)
 
     def _idle_live(self) -> int:
         """Workers that would take an inference task now (threads: held ones with nothing to decode)."""
@@ -366,7 +372,8 @@ class Pooled(Strategy):
         self._sync = {}
         if not self.pool.threaded:  # micro-batches whose old log-probs a free replica process computed
             out["schedule/replica_logprob_batches"] = float(self.pool.scored - self._scored)
-            self._scored = self.pool.scored
+            out["schedule/replica_ref_batches"] = float(self.pool.scored_ref - self._scored_ref)
+            self._scored, self._scored_ref = self.pool.scored, self.pool.scored_ref
         if self.elastic:  # held time of the threads that ended since the step began (clipped to it)
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
             self.pool.held.clear()

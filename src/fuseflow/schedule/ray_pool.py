@@ -10,8 +10,9 @@ replica process (``fuseflow.controller.replica``) with its own engine and weight
 - Inference tasks (``TaskQueue``) run on a few controller threads that only wait on the
   inference groups' Ray futures; the models live in the inference roles' processes, so a micro-batch
   goes out the moment it fills, whatever the replicas are doing. A replica with nothing to decode
-  takes the one stage its model can run, the old log-probs (``logprobs_future``), while its
-  weights are the actor's; the other stages need models only the roles' processes hold.
+  takes the stages its models can run: the old log-probs (``logprobs_future``) while its
+  weights are the actor's, and the reference log-probs (a frozen copy it loaded once); the
+  critic and the reward stay in the roles' processes.
 - ``migrate`` aborts samples on their source replica and adds the exported ``PartialState`` to
   the target over Ray, starting a stream there if none runs.
 - ``set_weights`` broadcasts the actor's weights from its rank-0 process (``ReplicaSet.sync``).
@@ -60,6 +61,7 @@ class RayRolloutPool:
         self._busy_dispatchers = 0
         self._scoring: set[int] = set()  # replicas computing log-probs now
         self.scored = 0  # micro-batches whose old log-probs a replica computed
+        self.scored_ref = 0  # ... and whose reference log-probs
         self._dispatchers = 0
         self._args: tuple | None = None  # (step, on_sample, tasks, background) of the running generation
 
@@ -184,11 +186,12 @@ class RayRolloutPool:
             self._threads.append(t)
         t.start()
 
-    def logprobs_future(self, batch) -> Future | None:
-        """Old log-probs of ``batch`` started on a replica with nothing to decode or score, or None when
-        every replica is busy (the caller then asks the actor). Only valid while the replicas hold the
-        actor's current weights: the strategy checks the version."""
-        if not self.replicas.scores:
+    def logprobs_future(self, batch, reference: bool = False) -> Future | None:
+        """Old log-probs of ``batch`` (``reference``: the reference's) started on a replica with nothing to
+        decode or score, or None when every replica is busy (the caller then asks the actor, or the
+        reference group). Old log-probs are only valid while the replicas hold the actor's current
+        weights: the strategy checks the version; the reference never changes."""
+        if not (self.replicas.scores_reference if reference else self.replicas.scores):
             return None
         with self._lock:
             free = [i for i in range(len(self)) if i not in self.live and i not in self._scoring]
@@ -197,7 +200,8 @@ class RayRolloutPool:
             i = free[0]
             self._scoring.add(i)
         step = self._args[0] if self._args else 0
-        return _Scored(self, i, step, self.replicas.handles[i].compute_logprobs.remote(to_wire(batch)))
+        return _Scored(self, i, step, self.replicas.handles[i].compute_logprobs.remote(to_wire(batch), reference),
+                       reference)
 
     # ------------------------------------------------------------------ migration
     def pending(self) -> dict[int, list[PendingSample]]:
@@ -233,8 +237,8 @@ class RayRolloutPool:
 class _Scored(Future):
     """A replica's log-probs in flight; the replica is free to score again once it is collected."""
 
-    def __init__(self, pool: RayRolloutPool, i: int, step: int, ref):
-        self.pool, self.i, self.step, self.ref = pool, i, step, ref
+    def __init__(self, pool: RayRolloutPool, i: int, step: int, ref, reference: bool = False):
+        self.pool, self.i, self.step, self.ref, self.reference = pool, i, step, ref, reference
         self.refs = [ref]
         self._value: tuple | None = None
         self.t0 = time.perf_counter()
@@ -254,6 +258,9 @@ class _Scored(Future):
                 t1 = time.perf_counter()
                 self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
                 self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
-            self.pool.scored += 1
+            if self.reference:
+                self.pool.scored_ref += 1
+            else:
+                self.pool.scored += 1
             self._value = (from_wire(out),)
         return self._value[0]

@@ -179,11 +179,14 @@ class Stages:
         return batch
 
     def inference_calls(self, batch: Batch, names: Sequence[str],
-                        old_logprob: Callable[[Batch], Future | None] | None = None) -> dict[str, Callable[[], Future]]:
+                        old_logprob: Callable[[Batch], Future | None] | None = None,
+                        ref_logprob: Callable[[Batch], Future | None] | None = None
+                        ) -> dict[str, Callable[[], Future]]:
         """Starters of the model inference stages in ``names`` on ``batch``, keyed by the field each fills.
 
         ``old_logprob``: another place that holds the actor's current weights (a free rollout replica
         on Ray) tried first for the old log-probs; it returns None when it cannot take them now.
+        ``ref_logprob``: the same for the reference log-probs (a replica's copy of the reference).
         """
         r = self.roles
         calls = {}
@@ -191,23 +194,26 @@ class Stages:
             calls["old_logprobs"] = lambda: ((old_logprob(batch) if old_logprob else None)
                                              or r.actor.compute_logprobs.future(batch))
         if "reference" in names:
-            calls["ref_logprobs"] = lambda: r.reference.compute_logprobs.future(batch)
+            calls["ref_logprobs"] = lambda: ((ref_logprob(batch) if ref_logprob else None)
+                                             or r.reference.compute_logprobs.future(batch))
         for c in r.critics:
             if c.role in names:
                 calls[f"{CRITIC_PREFIX[c.role]}values"] = lambda c=c: c.compute_values.future(batch)
         return calls
 
     def infer(self, samples: list[Sample], names: Sequence[str], prompt_of: dict,
-              old_logprob: Callable[[Batch], Future | None] | None = None) -> dict[str, dict]:
+              old_logprob: Callable[[Batch], Future | None] | None = None,
+              ref_logprob: Callable[[Batch], Future | None] | None = None) -> dict[str, dict]:
         """Run the stages ``names`` on one micro-batch of samples; per-uid rows (token fields cut to each
         response). Runs on whichever thread calls it (a rollout worker that is free, in pooled modes);
-        ``old_logprob`` as in ``inference_calls``."""
+        ``old_logprob`` and ``ref_logprob`` as in ``inference_calls``."""
         prompts = [prompt_of[x.uid] for x in samples]
         texts = [decode_response(self.tokenizer, x.response_ids) for x in samples]
         started = {}
         if any(name != "reward" for name in names):  # every model stage starts before any is waited for
             mb = self.to_batch(samples, prompts, texts, {})
-            started = {k: start() for k, start in self.inference_calls(mb, names, old_logprob).items()}
+            calls = self.inference_calls(mb, names, old_logprob, ref_logprob)
+            started = {k: start() for k, start in calls.items()}
         per_sample = self.score(samples, prompts, texts) if "reward" in names else {}
         per_token = {k: f.result() for k, f in started.items()}
         rows: dict[str, dict[int, torch.Tensor]] = {}

@@ -130,10 +130,12 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
 
 
 def build_rollout_engine(ctx: RoleContext):
-    """A rollout replica's engine (backend=ray) and a scorer over the same model: its own copy of the
-    policy, built as the actor's is (same checkpoint, same LoRA adapters), so the weight sync's
-    parameter lists match. The scorer is the actor's log-prob code (``ReferenceWorker.compute_logprobs``):
-    a replica with nothing to decode computes old log-probs with it.
+    """A rollout replica's engine (backend=ray), a scorer over the same model and one over the reference:
+    its own copy of the policy, built as the actor's is (same checkpoint, same LoRA adapters), so the
+    weight sync's parameter lists match. The scorers are the actor's log-prob code
+    (``ReferenceWorker.compute_logprobs``): a replica with nothing to decode computes old log-probs with
+    the first and reference log-probs with the second, over a copy of the frozen reference (the
+    initial policy, loaded as ``build_reference`` loads it; never synced, since it never trains).
 
     With ``rollout.backend=vllm`` the engine is vLLM's, over that model's weights, started here (in
     the replica process, in-process mode): a model vLLM cannot load then fails the replica's start,
@@ -152,7 +154,10 @@ def build_rollout_engine(ctx: RoleContext):
                         tokenizer=run_tokenizer(cfg))
     scorer = ReferenceWorker(model, device, dtype, r.temperature)
     scorer.token_budget = cfg.schedule.token_budget
-    return engine, scorer
+    ref = CausalLM.from_pretrained(ctx.ref_dir).to(device).eval().requires_grad_(False)
+    ref_scorer = ReferenceWorker(ref, device, dtype, r.temperature)
+    ref_scorer.token_budget = cfg.schedule.token_budget
+    return engine, scorer, ref_scorer
 
 
 def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
