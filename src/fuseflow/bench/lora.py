@@ -52,6 +52,9 @@ def _train_variant(model_dir: str, lora: bool, rows: int, prompt_len: int, respo
     torch.set_num_threads(threads)
     from fuseflow.config import load_config
     from fuseflow.controller.worker import DistInfo
+    from fuseflow.memory import bound_heap_retention
+
+    bound_heap_retention()  # the process set up as `fuseflow train` sets up its own
     from fuseflow.data.batch import Batch
     from fuseflow.tasks import make_task
     from fuseflow.workers.build import RoleContext, build_actor, build_reference
