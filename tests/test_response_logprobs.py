@@ -93,3 +93,31 @@ def test_a_model_returning_every_position_gives_the_same_logprobs():
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(kept[mask], full[mask], rtol=1e-5, atol=1e-6)
 
+
+def test_activation_checkpointing_gives_the_same_logprobs_and_grads():
+    # Recomputing each layer in the backward pass changes what is stored, not what is computed.
+    from fuseflow.models.llama import set_activation_checkpointing
+
+    batch = _batch(_rows())
+    mask = batch["response_mask"].bool()
+    out = []
+    for on in (False, True):
+        model = _model()
+        set_activation_checkpointing(model, on)
+        assert model.model.activation_checkpointing is on
+        saved = []  # bytes autograd keeps for the backward pass
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp = response_logprobs(model, batch, 0.7)
+        logp[mask].sum().backward()
+        out.append((logp.detach(), _grads(model), sum(saved)))
+    (lp0, g0, kept0), (lp1, g1, kept1) = out
+    assert kept1 < 0.5 * kept0, (kept0, kept1)  # the layers' activations were not kept
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=0)
+    assert set(g0) == set(g1) and len(g0) > 10
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
