@@ -30,7 +30,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     """
     console = console or Console()
     started = time.perf_counter()  # trainer.time_limit_minutes counts from here
-    bound_heap_retention()  # freed activations go back to the kernel (see fuseflow.memory)
+    if cfg.trainer.release_freed_memory:
+        bound_heap_retention()  # freed activations go back to the kernel (see fuseflow.memory)
     check_inputs(cfg)  # the files the config names, before the run directory exists
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

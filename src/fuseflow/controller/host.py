@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from fuseflow.memory import bound_heap_retention
-
 from .dispatch import from_wire, to_wire
 from .worker import DistInfo, Worker
 
@@ -33,7 +31,6 @@ class WorkerHost:
     def __init__(self, pool: str, rank: int, world_size: int, threads: int = 1):
         self.pool, self.rank, self.world_size = pool, rank, world_size
         torch.set_num_threads(max(1, threads))
-        bound_heap_retention()  # as fuseflow train does in its own process (see fuseflow.memory)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda":  # Ray makes exactly this worker's GPU visible, as device 0
             torch.cuda.set_device(0)
