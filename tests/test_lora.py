@@ -78,6 +78,45 @@ def test_forward_is_base_plus_scaled_low_rank_product():
     assert torch.allclose(layer(x), naive, atol=1e-5)
 
 
+def _ops(fn):
+    """(result, names of the torch functions ``fn`` called)."""
+    seen = []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        out = fn()
+    return out, seen
+
+
+def test_scoring_forward_uses_the_merged_product_and_training_keeps_peft():
+    model = _adapted()
+    layer = lora_layers(model)["model.layers.1.mlp.up_proj"]  # in 32, out 64: merged from 22 rows up
+    a, b, w = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.base_layer.weight
+    x = torch.randn(40, 32)
+    naive = x @ w.T + 3.0 * (x @ a.T) @ b.T
+    with torch.no_grad():
+        scored, ops = _ops(lambda: layer(x))
+    torch.testing.assert_close(scored, naive, rtol=1e-5, atol=1e-5)
+    assert "addmm" in ops  # W + s B A, formed for the one product
+    with torch.no_grad():
+        few, ops = _ops(lambda: layer(x[:8]))  # 8 rows: the thin products are cheaper
+    torch.testing.assert_close(few, naive[:8], rtol=1e-5, atol=1e-5)
+    assert "addmm" not in ops
+    trained, ops = _ops(lambda: layer(x))  # autograd on: peft's path, gradients reach A and B
+    assert "addmm" not in ops
+    trained.square().sum().backward()
+    assert a.grad.abs().sum() > 0 and b.grad.abs().sum() > 0 and w.grad is None
+    # The whole model: the same logits either way, on a batch big enough for every layer to merge.
+    ids = torch.randint(0, CFG.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        scored = model(ids).logits
+    torch.testing.assert_close(scored, model(ids).logits.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_merged_weights_are_w_plus_scale_b_a_and_give_the_same_logits():
     model = _adapted()
     merged = merged_model(model).eval()

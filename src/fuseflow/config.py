@@ -216,6 +216,13 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(5, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
+    # The actor's training forward keeps only each decoder layer's input and recomputes the layer in the
+    # backward pass: much less activation memory for about one more forward pass of compute.
+    activation_checkpointing: bool = False
+    # Fix glibc's mmap threshold at 128 KiB (fuseflow.memory) so a step's freed activations leave the
+    # resident set: on SmolLM2's LoRA step a 36% lower peak, but every large tensor then costs fresh
+    # zeroed pages (about 40% more CPU time on that step), so it is off unless memory is the limit.
+    release_freed_memory: bool = False
     save_every: int = Field(20, gt=0)
     eval_every: int = Field(20, gt=0)
     eval_size: int = Field(500, gt=0)

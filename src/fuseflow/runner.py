@@ -15,6 +15,7 @@ from fuseflow.checkpoint import latest_checkpoint, prune_checkpoints
 from fuseflow.config import Config
 from fuseflow.console import make_progress
 from fuseflow.controller.group import WorkerFailure
+from fuseflow.memory import bound_heap_retention
 from fuseflow.preflight import check_inputs
 from fuseflow.telemetry.metrics import read_events, read_metrics
 from fuseflow.telemetry.plots import plot_run, stage_seconds_per_step
@@ -29,6 +30,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     """
     console = console or Console()
     started = time.perf_counter()  # trainer.time_limit_minutes counts from here
+    if cfg.trainer.release_freed_memory:
+        bound_heap_retention()  # freed activations go back to the kernel (see fuseflow.memory)
     check_inputs(cfg)  # the files the config names, before the run directory exists
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

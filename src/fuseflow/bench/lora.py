@@ -53,6 +53,7 @@ def _train_variant(model_dir: str, lora: bool, rows: int, prompt_len: int, respo
     from fuseflow.config import load_config
     from fuseflow.controller.worker import DistInfo
     from fuseflow.data.batch import Batch
+    from fuseflow.memory import bound_heap_retention
     from fuseflow.tasks import make_task
     from fuseflow.workers.build import RoleContext, build_actor, build_reference
 
@@ -60,6 +61,8 @@ def _train_variant(model_dir: str, lora: bool, rows: int, prompt_len: int, respo
     cfg = load_config("default", ["task.train_size=64", "task.eval_size=8", f"trainer.mini_batch_size={rows}",
                                   "algorithm.kl_in_reward=false", "algorithm.kl_coef=0.05", "trainer.epochs=1",
                                   f"model.lora.enabled={str(lora).lower()}", *overrides])
+    if cfg.trainer.release_freed_memory:  # the process set up as `fuseflow train` sets up its own
+        bound_heap_retention()
     ctx = RoleContext(cfg, Path(model_dir), None, make_task(cfg.task))
     actor, ref = build_actor(ctx, DistInfo()), build_reference(ctx, DistInfo())
     built = _rss_mb()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from fuseflow.models import hf_io
 from fuseflow.models.config import ModelConfig
@@ -218,6 +219,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The backbone (HF `LlamaModel`): embeddings, decoder layers, final norm. Shared by LM and value model."""
 
+    # Recompute each layer's activations in the backward pass instead of keeping them (see
+    # set_activation_checkpointing); only forwards that build a graph are affected.
+    activation_checkpointing = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -258,14 +263,31 @@ class DecoderModel(nn.Module):
         if mask is not None and t == 1 and (attention_mask is None or bool(attention_mask.all())):
             mask = None  # single query and every key is real: causal order needs no mask
         keys, values = [], []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and past_key_values is None
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else (past_key_values.keys[i], past_key_values.values[i])
-            h, (k, v) = layer(h, cos, sin, mask, past)
+            if recompute and not use_cache:
+                h, (k, v) = checkpoint(layer, h, cos, sin, mask, None, use_reentrant=False)
+            else:
+                h, (k, v) = layer(h, cos, sin, mask, past)
             if use_cache:
                 keys.append(k)
                 values.append(v)
         cache = KVCache(tuple(keys), tuple(values)) if use_cache else None
         return self.norm(h), cache
+
+
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Turn activation checkpointing on or off in every decoder of ``model`` (peft-wrapped or sharded too).
+
+    On, a training forward keeps only each decoder layer's input and recomputes the layer in the
+    backward pass: its activations (many times the hidden state per token and layer: the largest
+    share of a LoRA step's memory) are never all alive at once, for about one more forward
+    pass of compute. Forwards without autograd (scoring, generation) are unchanged.
+    """
+    for sub in model.modules():
+        if isinstance(sub, DecoderModel):
+            sub.activation_checkpointing = enabled
 
 
 @torch.no_grad()

@@ -21,8 +21,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -90,8 +92,31 @@ def apply_lora(model: CausalLM, spec: LoraSpec, seed: int = 0) -> CausalLM:
         inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+    for layer in lora_layers(model).values():
+        layer.forward = MethodType(_scoring_forward, layer)
     model.lora_spec = spec
     return model
+
+
+def _scoring_forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+    """peft's forward, except for a forward without autograd over many rows: ``x (W + s B A)^T``.
+
+    Scoring (old log-probs, evaluation) runs the adapted model on whole batches of tokens; there
+    the two thin products per layer and the extra passes over the output cost about a third of the
+    base forward, while forming ``W + s B A`` for the one product (a temporary of the layer's size,
+    freed after it) costs ``r / rows`` of it. Training forwards (autograd on), dropout in train mode,
+    autocast, and inputs with fewer rows than ``in * out / (in + out)`` take peft's own path.
+    """
+    parts = lora_parts(self)
+    if (parts is None or args or kwargs or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            or (self.training and not isinstance(self.lora_dropout[ADAPTER], nn.Identity))):
+        return type(self).forward(self, x, *args, **kwargs)
+    a, b, scaling = parts  # (r, in), (out, r)
+    rows = x.numel() // x.shape[-1]
+    if rows * (a.shape[1] + b.shape[0]) < a.shape[1] * b.shape[0]:
+        return type(self).forward(self, x)
+    base = self.base_layer
+    return F.linear(x, torch.addmm(base.weight, b, a, alpha=scaling), base.bias)
 
 
 def lora_spec(model: nn.Module) -> LoraSpec | None:

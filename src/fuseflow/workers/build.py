@@ -26,6 +26,7 @@ from fuseflow.checkpoint import load_optimizer_state
 from fuseflow.config import Config
 from fuseflow.controller.worker import DistInfo
 from fuseflow.models import CausalLM, ValueModel, resolve_device
+from fuseflow.models.llama import set_activation_checkpointing
 from fuseflow.models.lora import LoraSpec, apply_lora, base_view, load_adapter, lora_spec
 from fuseflow.models.parallelize import load_full_optimizer_state, shard_fsdp
 from fuseflow.models.source import run_tokenizer
@@ -122,6 +123,7 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     plain = _policy(ctx, device, dist)
     worker = ActorWorker(_shard(plain, device, dist), rollout_backend(cfg, plain, tokenizer), device, dtype,
                          cfg.algorithm, cfg.trainer, cfg.rollout.temperature, cfg.model.max_response_len, plain=plain)
+    set_activation_checkpointing(worker.model, cfg.trainer.activation_checkpointing)
     worker.tokenizer, worker.heldout = tokenizer, HeldOut.from_config(cfg, ctx.task, tokenizer)
     worker.token_budget = cfg.schedule.token_budget
     worker.base_path = ctx.ref_dir.resolve()

@@ -59,16 +59,31 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
-    """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr)."""
+    """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr).
+
+    Only the last ``Tr + 1`` positions go through the LM head (``logits_to_keep``): the prompt's
+    logits are never used, and with a 49k vocabulary they are a large share of a step's time and
+    memory. Response token ``j`` sits at column ``Tp + j`` and is predicted by column ``Tp + j - 1``,
+    whatever each row's padding (prompts are left-padded, responses right-padded), so the columns
+    that predict the response are the last ``Tr + 1`` but one. A ``model`` that ignores
+    ``logits_to_keep`` and returns every position gets the same columns. The entropy is a metric
+    (no loss uses it): it is computed outside autograd, so its (B, Tr, V) intermediates are not
+    kept for the backward pass.
+    """
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    logits = logits[:, response_slice(batch)].float() / temperature  # (B, Tr, V)
-    targets = ids[:, -batch["response_mask"].shape[1]:]  # (B, Tr)
+    tr = batch["response_mask"].shape[1]
+    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
+    logits = logits[:, -(tr + 1):-1].float()  # (B, Tr, V): the positions that predict the response
+    if temperature != 1.0:
+        logits = logits / temperature
+    targets = ids[:, -tr:]  # (B, Tr)
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad():
+        p = logp_all.exp()
+        entropy = -p.mul_(logp_all).sum(-1)
     return logp, entropy
 
 

@@ -1,0 +1,123 @@
+"""``response_logprobs`` (LM head at the response positions only) against a naive per-row reference.
+
+The reference runs each row alone, without any padding, over all its positions, and reads the
+log-softmax at the positions that predict its response tokens. The batched call must give the
+same log-probs, entropies and parameter gradients on rows whose prompt and response lengths
+all differ (left-padded prompts, right-padded responses), at temperature 1 and below it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.models import CausalLM, ModelConfig
+from fuseflow.workers.common import response_logprobs
+
+# (prompt length, response length) per row: every padding pattern, a 1-token prompt and a 1-token response.
+ROWS = [(5, 7), (1, 3), (9, 1), (3, 7), (6, 4)]
+
+
+def _model(vocab=37):
+    return CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=vocab), seed=5)
+
+
+def _rows(vocab=37):
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(1, vocab, (p,), generator=g).tolist(), torch.randint(1, vocab, (r,), generator=g).tolist())
+            for p, r in ROWS]
+
+
+def _batch(rows) -> Batch:
+    prompts, responses = [p for p, _ in rows], [r for _, r in rows]
+    p_mask = pad_sequences([[1] * len(x) for x in prompts], 0, left=True)
+    r_mask = pad_sequences([[1] * len(x) for x in responses], 0, left=False)
+    ids = torch.cat([pad_sequences(prompts, 0, left=True), pad_sequences(responses, 0, left=False)], 1)
+    return Batch({"input_ids": ids, "attention_mask": torch.cat([p_mask, r_mask], 1), "response_mask": r_mask.float()})
+
+
+def _naive(model, rows, temperature):
+    """Per row, unpadded: (log-probs, entropies) of its response tokens from the full logits."""
+    out = []
+    for prompt, response in rows:
+        ids = torch.tensor([prompt + response])
+        logp_all = (model(ids).logits[0].float() / temperature).log_softmax(-1)  # (T, V), every position
+        pred = logp_all[len(prompt) - 1: len(prompt) + len(response) - 1]  # position t predicts token t + 1
+        logp = pred.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        out.append((logp, -(pred.exp() * pred).sum(-1)))
+    return out
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_batched_logprobs_entropy_and_grads_equal_the_unpadded_rows(temperature):
+    rows, model = _rows(), _model()
+    weights = torch.linspace(0.5, 2.0, sum(r for _, r in ROWS))  # a different weight per real token
+    batch = _batch(rows)
+    mask = batch["response_mask"].bool()
+
+    logp, entropy = response_logprobs(model, batch, temperature, with_entropy=True)
+    assert logp.shape == entropy.shape == mask.shape
+    (logp[mask] * weights).sum().backward()
+    batched = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    ref = _naive(model, rows, temperature)
+    torch.cat([lp for lp, _ in ref]).mul(weights).sum().backward()
+    naive = _grads(model)
+
+    for i, (lp, ent) in enumerate(ref):
+        n = len(lp)
+        torch.testing.assert_close(logp[i, :n], lp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[i, :n], ent.detach(), rtol=1e-5, atol=1e-5)
+    assert not entropy.requires_grad  # a metric: its (B, Tr, V) intermediates are not kept for backward
+    assert set(batched) == set(naive) and "model.layers.0.self_attn.q_proj.weight" in naive
+    for name in naive:
+        torch.testing.assert_close(batched[name], naive[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_model_returning_every_position_gives_the_same_logprobs():
+    # The pipeline's last stage hands response_logprobs logits it already computed for every position.
+    rows, model = _rows(), _model()
+    batch = _batch(rows)
+    with torch.no_grad():
+        kept = response_logprobs(model, batch, 0.7)
+        full_logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+        full = response_logprobs(lambda *a, **k: SimpleNamespace(logits=full_logits), batch, 0.7)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(kept[mask], full[mask], rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_logprobs_and_grads():
+    # Recomputing each layer in the backward pass changes what is stored, not what is computed.
+    from fuseflow.models.llama import set_activation_checkpointing
+
+    batch = _batch(_rows())
+    mask = batch["response_mask"].bool()
+    out = []
+    for on in (False, True):
+        model = _model()
+        set_activation_checkpointing(model, on)
+        assert model.model.activation_checkpointing is on
+        saved = []  # bytes autograd keeps for the backward pass
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp = response_logprobs(model, batch, 0.7)
+        logp[mask].sum().backward()
+        out.append((logp.detach(), _grads(model), sum(saved)))
+    (lp0, g0, kept0), (lp1, g1, kept1) = out
+    assert kept1 < 0.5 * kept0, (kept0, kept1)  # the layers' activations were not kept
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=0)
+    assert set(g0) == set(g1) and len(g0) > 10
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
