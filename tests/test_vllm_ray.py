@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -24,10 +25,11 @@ VLLM = ["rollout.backend=vllm", "ray.start_timeout_s=600"]  # vLLM's start-up un
 
 
 def _stream(handle, requests) -> dict:
-    """Samples of one stream on a replica (decoded by its vLLM engine), by uid."""
+    """Samples of a replica's streams (decoded by its vLLM engine), by uid: one stream per request, so a
+    replica that holds its tail (``ray_hooks.held_tail``) never waits for a migration that no one makes."""
     import ray
 
-    return {s.uid: s for s in (ray.get(ref) for ref in handle.stream.remote(requests))}
+    return {s.uid: s for r in requests for s in (ray.get(ref) for ref in handle.stream.remote([r]))}
 
 
 def _max_diff(model, samples: dict, temperature: float) -> float:
@@ -42,9 +44,16 @@ def _max_diff(model, samples: dict, temperature: float) -> float:
     return out
 
 
-def test_fused_vllm_replicas_train_and_follow_each_weight_sync(tmp_path, sft_cache):
+def test_fused_vllm_replicas_train_and_follow_each_weight_sync(tmp_path, sft_cache, monkeypatch):
     pytest.importorskip("vllm")
+    import fuseflow.trainer
     from fuseflow.models import CausalLM
+    from ray_hooks import held_tail
+
+    # Each replica holds its tail until the controller migrates (as in test_ray_rollout's fused test), so
+    # migration happens whatever the machine's load; without it a replica could finish its share first.
+    monkeypatch.setattr(fuseflow.trainer, "build_rollout_engine",
+                        partial(held_tail, fuseflow.trainer.build_rollout_engine))
 
     seen: dict = {}
 
