@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fuseflow.config_checks import check_all
 from fuseflow.config_tree import ConfigError, parse_override, read_config_file, set_path
 
 
@@ -118,7 +119,6 @@ class SFTConfig(_Section):
 
 ALGORITHMS = ("ppo", "grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_ppo")
 # Estimators that credit a whole response (B,): they need groups, and KL can only be a loss term.
-SEQUENCE_LEVEL = ("grpo", "dr_grpo", "rloo", "remax", "dapo")
 
 # What each algorithm changes from the field defaults, applied only to keys the user did not set,
 # so `algorithm.name=dapo` alone gives DAPO and `algorithm.clip_high=0.3` still wins. The resolved
@@ -432,45 +432,9 @@ class Config(_Section):
         return data
 
     @model_validator(mode="after")
-    def _schedule_fits(self) -> Config:
-        s = self.schedule
-        what = f"schedule.mode={s.mode}" + (f" with schedule.rollout_workers={s.rollout_workers}"
-                                            if s.mode == "sequential" else "")
-        if self.backend != "local" and self.placement.rollout is not None:
-            self._rollout_pool_fits(what)
-        if s.mode == "sequential" and s.rollout_workers == 1:
-            return self
-        if self.backend != "local":
-            self._rollout_pool_fits(what)
-        if self.rollout.backend not in ("engine", "vllm"):
-            raise ValueError(f"{what} streams and migrates samples with the rollout engine; set "
-                             f"rollout.backend=engine or vllm (got {self.rollout.backend})")
-        if s.asynchronous and self.algorithm.policy_loss != "decoupled":
-            raise ValueError(f"schedule.mode={s.mode} trains on samples of an older policy; it needs "
-                             f"algorithm.policy_loss=decoupled (got {self.algorithm.policy_loss})")
+    def _cross_section_checks(self) -> Config:
+        check_all(self)  # fuseflow/config_checks.py
         return self
-
-    def _rollout_pool_fits(self, what: str) -> None:
-        """backend=ray: the mode's rollout replicas need a pool of their own with a bundle each."""
-        s, name = self.schedule, self.placement.rollout
-        if name is None:
-            why = ("releases rollout replica processes as they run out of work" if s.elastic
-                   else "runs its rollout replicas as processes")
-            raise ValueError(f"{what} {why} on backend=ray and needs a rollout pool: set placement.rollout=NAME "
-                             f"(e.g. placement.rollout=rollout, one bundle per replica), or use "
-                             "schedule.mode=sequential schedule.rollout_workers=1")
-        shared = [r for r, p in self.placement.model_dump().items() if p == name and r != "rollout"]
-        if shared:
-            raise ValueError(f"placement.rollout={name} shares pool {name!r} with {shared[0]}, whose processes cannot "
-                             f"host rollout replicas (each is a process of its own on a bundle of its own); place "
-                             f"them on a pool of their own, e.g. placement.rollout=rollout")
-        pool = self.pools.get(name)
-        if pool is not None and pool.workers_per_node is not None:
-            bundles = pool.nodes * pool.workers_per_node
-            if s.rollout_workers > bundles:
-                raise ValueError(f"schedule.rollout_workers={s.rollout_workers} is larger than pool {name!r}'s "
-                                 f"{bundles} bundles (pools.{name}.nodes x workers_per_node); allowed: at most "
-                                 f"{bundles}, or raise pools.{name}.workers_per_node")
 
     def role_dp(self) -> dict[str, int]:
         """Data-parallel size of every role (reference and critic follow actor.dp unless set; reward.dp does not)."""
@@ -487,144 +451,6 @@ class Config(_Section):
 
         placement = {r: p for r, p in self.placement.model_dump().items() if p is not None}
         return resolve_placement(self.pools, placement, self.role_dp())
-
-    @model_validator(mode="after")
-    def _placement_fits(self) -> Config:
-        dp = self.role_dp()
-        if self.backend == "local":
-            wide = [f"{r}.dp={k}" for r, k in dp.items() if k > 1 and r != "rollout"]  # rollout: threads here
-            if wide:
-                raise ValueError(f"{wide[0]} needs backend=ray: the local backend runs every role once, in this process")
-            return self
-        for role in ("actor", "critic"):
-            if self.trainer.mini_batch_size % dp[role]:
-                raise ValueError(f"{role}.dp={dp[role]} must divide trainer.mini_batch_size={self.trainer.mini_batch_size} "
-                                 "(every rank takes an equal share of each mini-batch)")
-        self.resolved_placement()
-        return self
-
-    @model_validator(mode="after")
-    def _pipeline_fits(self) -> Config:
-        """actor.pp / critic.pp: what the pipeline-parallel training step supports (docs/pipeline.md)."""
-        a, c, name = self.actor, self.critic, self.algorithm.name
-        if a.pp_split is not None and len(a.pp_split) != a.pp:
-            raise ValueError(f"actor.pp_split={a.pp_split} needs actor.pp={a.pp} layer counts (one per stage)")
-        if a.pp_split is not None and min(a.pp_split) < 1:
-            raise ValueError(f"actor.pp_split={a.pp_split}: every stage needs at least one layer")
-        if self.rollout.pipeline_stages > 1:
-            self._pipelined_rollout_fits()
-        if a.pp == 1 and c.pp == 1:
-            return self
-        what = f"actor.pp={a.pp}" if a.pp > 1 else f"critic.pp={c.pp}"
-        if name != "ppo" and c.pp > 1:
-            raise ValueError(f"critic.pp={c.pp}: algorithm.name={name} " + (
-                "has two critics, which the pipeline does not run; use critic.pp=1 actor.pp=1" if name == "safe_ppo"
-                else "has no critic; drop critic.pp"))
-        if name == "ppo" and c.pp != a.pp:
-            raise ValueError(f"actor.pp={a.pp} critic.pp={c.pp}: PPO trains actor and critic on the same stage "
-                             f"processes (a fused schedule); set both to {max(a.pp, c.pp)}")
-        if self.backend != "local":
-            raise ValueError(f"{what} runs its stage processes on this machine (torch.distributed, gloo); it needs "
-                             f"backend=local (got backend={self.backend}); on Ray they would be a pool's workers, "
-                             "not wired yet")
-        if self.model.lora.enabled:
-            raise ValueError(f"{what} trains full weights; model.lora.enabled=true is not supported with it "
-                             "(set actor.pp=1)")
-        if self.schedule.mode != "sequential":
-            raise ValueError(f"{what} is wired for schedule.mode=sequential only (got {self.schedule.mode})")
-        return self
-
-    def _pipelined_rollout_fits(self) -> None:
-        what = f"rollout.pipeline_stages={self.rollout.pipeline_stages}"
-        if self.backend != "local":
-            raise ValueError(f"{what} runs its stage processes on this machine; it needs backend=local "
-                             f"(got backend={self.backend})")
-        if self.rollout.backend != "engine":
-            raise ValueError(f"{what} replaces the engine with pipelined stages that sample as the engine does; "
-                             f"set rollout.backend=engine (got {self.rollout.backend})")
-        if self.model.lora.enabled:
-            raise ValueError(f"{what} loads full weights into its stages; model.lora.enabled=true is not "
-                             "supported with it")
-        if self.schedule.mode != "sequential" or self.schedule.rollout_workers != 1:
-            raise ValueError(f"{what} is wired for schedule.mode=sequential with schedule.rollout_workers=1 "
-                             f"(got {self.schedule.mode}, {self.schedule.rollout_workers} workers)")
-
-    @model_validator(mode="after")
-    def _batch_fits(self) -> Config:
-        a = self.algorithm
-        # Checked before the batch arithmetic: with one sample per prompt the group baseline is the sample
-        # itself, every advantage is 0 and nothing is learned, whatever the batch sizes.
-        needs_groups = a.name in ("grpo", "dr_grpo", "rloo", "dapo") or a.dynamic_sampling or (
-            a.name == "reinforce_pp" and a.group_baseline)
-        if needs_groups and a.group_size < 2:
-            raise ValueError(f"algorithm.group_size={a.group_size} leaves {a.name}'s group baseline meaningless "
-                             "(each sample is its own group, so every advantage is 0); set algorithm.group_size>=2"
-                             + (", or algorithm.group_baseline=false" if a.name == "reinforce_pp" else
-                                ", or use algorithm.name=ppo or remax, which need no groups"))
-        samples = self.trainer.prompts_per_step * self.algorithm.group_size
-        if samples % self.trainer.mini_batch_size:
-            raise ValueError(
-                f"trainer.mini_batch_size={self.trainer.mini_batch_size} must divide the samples per step "
-                f"(trainer.prompts_per_step * algorithm.group_size = {samples})"
-            )
-        if a.kl_in_reward and a.name in SEQUENCE_LEVEL:
-            raise ValueError(f"algorithm.kl_in_reward=true needs token-level advantages (ppo, safe_ppo, reinforce_pp); "
-                             f"{a.name} credits whole responses, so set algorithm.kl_in_reward=false "
-                             "(the KL becomes a loss term)")
-        if a.overlong_buffer >= self.model.max_response_len:
-            raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
-                             f"model.max_response_len={self.model.max_response_len}")
-        if a.name == "safe_ppo" and not (self.task.name == "safe_arith" or self.task.cost_fn):
-            raise ValueError(f"algorithm.name=safe_ppo needs a cost signal, and task.name={self.task.name} has none; "
-                             "use task.name=safe_arith, or task.name=file with task.cost_fn=module:function")
-        if self.task.cost_fn and self.task.name != "file":
-            raise ValueError(f"task.cost_fn is read by task.name=file only (got task.name={self.task.name})")
-        if self.task.reward_fn and self.task.name != "file":
-            raise ValueError(f"task.reward_fn is read by task.name=file only; task.name={self.task.name} scores with "
-                             "its own built-in reward. Drop task.reward_fn, or use task.name=file task.path=DATA")
-        if self.task.name == "file" and not self.task.reward_fn:
-            if not self.reward.model:
-                raise ValueError("task.name=file needs task.reward_fn=module:function, or reward.model=DIR "
-                                 "(a reward model from `fuseflow train-rm`) to give the reward")
-            if self.reward.fn_weight:
-                raise ValueError(f"reward.fn_weight={self.reward.fn_weight} weighs the task's reward function, "
-                                 "but task.reward_fn is not set; set task.reward_fn or reward.fn_weight=0")
-        if self.model.lora.enabled and self.rollout.backend == "hf":
-            raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=hf "
-                             "keeps a second full copy without them: use rollout.backend=engine (or sampler)")
-        self._rollout_backend_fits()
-        if a.rollout_is == "tis" and a.policy_loss == "decoupled":
-            raise ValueError("algorithm.rollout_is=tis weighs tokens by min(pi_old / pi_behaviour, cap), which "
-                             "algorithm.policy_loss=decoupled already does (algorithm.is_cap); drop rollout_is "
-                             "or use policy_loss=ppo")
-        if a.kl_target is not None and a.kl_coef == 0:
-            raise ValueError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 and would "
-                             "stay 0; set algorithm.kl_coef>0 as the starting value, or drop kl_target")
-        return self
-
-    def _rollout_backend_fits(self) -> None:
-        r = self.rollout
-        if r.backend != "vllm":
-            if r.dtype != "auto":
-                raise ValueError(f"rollout.dtype={r.dtype} applies to rollout.backend=vllm only; the {r.backend} "
-                                 "backend decodes with the trainer's model (set device's dtype instead)")
-            return
-        from fuseflow.rollout.vllm_backend import INSTALL_HINT, vllm_available
-
-        if not vllm_available():
-            raise ValueError(INSTALL_HINT)
-        if r.top_k > 0 or r.top_p < 1.0:
-            raise ValueError(f"rollout.top_k={r.top_k} rollout.top_p={r.top_p}: with rollout.backend=vllm the "
-                             "behaviour log-probs would be renormalised over the kept tokens; use top_k=0 top_p=1, "
-                             "or rollout.backend=engine")
-        if self.model.lora.enabled:
-            raise ValueError("model.lora.enabled=true runs the adapters in fuseflow's own rollout; rollout.backend=vllm "
-                             "gets full weights only: use rollout.backend=engine")
-        longest = self.model.max_prompt_len + self.model.max_response_len
-        if r.kv_budget_tokens < longest:  # found here, not by the first request in a replica process minutes later
-            raise ValueError(f"rollout.kv_budget_tokens={r.kv_budget_tokens} cannot hold one sample of model.max_prompt_len"
-                             f" + model.max_response_len = {longest} tokens (with rollout.backend=vllm it also caps each "
-                             f"sequence); raise rollout.kv_budget_tokens to at least {longest}")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
