@@ -19,6 +19,7 @@ from fuseflow.controller.group import WorkerFailure
 from fuseflow.data.tokenizer import build_char_tokenizer
 from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.trainer import RLTrainer
+from spy import record_batches
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +48,7 @@ def run(tmp_path, model_path, algo: str, extra: list[str], steps: int = 1, then_
         f"trainer.steps={steps + 1}", "trainer.save_every=100", "trainer.eval_every=100", "trainer.lr=1e-3",
         "schedule.pipeline_solver_seconds=2", *extra])
     tr = RLTrainer(cfg, tmp_path / "_".join([algo, *extra]).replace("=", "-"), log=lambda *_: None)
-    failure, batches, inner = None, [], tr.make_experience
-
-    def spy(step):
-        batch, m = inner(step)
-        batches.append(batch)
-        return batch, m
-
-    tr.make_experience = spy
+    failure, batches = None, record_batches(tr)
     try:
         metrics = [tr.step(s) for s in range(1, steps + 1)]
         metrics[0]["batches"] = batches

@@ -18,6 +18,7 @@ from fuseflow.config import ConfigError, load_config
 from fuseflow.controller.group import WorkerFailure
 from fuseflow.trainer import RLTrainer
 from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
+from spy import record_batches
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -36,15 +37,7 @@ def _run(tmp_path, sft_cache, extra, steps=2, after=None):
     """Train ``steps`` steps; every step's batch and metrics (``after(trainer)`` runs before closing)."""
     tr = RLTrainer(_config(sft_cache, extra, steps), tmp_path / "_".join(extra or ["seq"]).replace("=", "-")
                    .replace("+", "p").replace("/", "_"), log=lambda *_: None)
-    batches, metrics = [], []
-    inner = tr.make_experience
-
-    def spy(step):
-        batch, m = inner(step)
-        batches.append(batch)
-        return batch, m
-
-    tr.make_experience = spy
+    batches, metrics = record_batches(tr), []
     try:
         for step in range(1, steps + 1):
             metrics.append(tr.step(step))

@@ -19,6 +19,7 @@ from fuseflow.rollout.sampler import make_requests
 from fuseflow.schedule.pool import RolloutPool, TaskQueue
 from fuseflow.telemetry import Tracer
 from fuseflow.trainer import RLTrainer
+from spy import record_batches
 
 PER_TOKEN = ("old_logprobs", "ref_logprobs", "values")
 
@@ -28,15 +29,7 @@ def _run(tmp_path, sft_cache, extra, steps=2):
                                f"trainer.steps={steps}", "trainer.eval_every=100", "trainer.save_every=100",
                                "trainer.eval_size=8", "task.eval_size=8", f"cache_dir={sft_cache}", *extra])
     tr = RLTrainer(cfg, tmp_path / "_".join(extra or ["seq"]).replace("=", "-").replace("+", "p"), log=lambda *_: None)
-    batches, metrics = [], []
-    inner = tr.make_experience
-
-    def spy(step):
-        batch, m = inner(step)
-        batches.append(batch)
-        return batch, m
-
-    tr.make_experience = spy
+    batches, metrics = record_batches(tr), []
     try:
         for step in range(1, steps + 1):
             metrics.append(tr.step(step))
