@@ -126,9 +126,9 @@ def test_async_replicas_respect_the_staleness_bound(tmp_path, sft_cache):
         assert metrics[step - 1]["async/staleness_max"] == max(ages)
 
 
-def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkeypatch):
-    import ray
-
+def run_with_replica_killed(tmp_path, sft_cache, monkeypatch, extra: list[str], kill) -> None:
+    """A fused run whose replica 1 ``kill(pool)`` ends mid-generation of step 2 (after step 1's checkpoint):
+    it must end within 30 s with one line naming the replica, the last checkpoint and how to resume."""
     from fuseflow.runner import train
     from fuseflow.schedule.ray_pool import RayRolloutPool
 
@@ -136,13 +136,13 @@ def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkey
 
     def stream_then_kill(self, i, requests):
         real(self, i, requests)
-        if self._args[0] == 2 and i == 1 and not killed:  # mid-generation of step 2, after step 1's checkpoint
+        if self._args[0] == 2 and i == 1 and not killed:
             killed["at"] = time.perf_counter()
-            ray.kill(self.replicas.handles[1], no_restart=True)
+            kill(self)
 
     monkeypatch.setattr(RayRolloutPool, "_stream", stream_then_kill)
-    cfg = _config(sft_cache, ["schedule.mode=fused", *REPLICAS, "trainer.save_every=1", "trainer.max_restarts=0"],
-                  steps=3)
+    cfg = _config(sft_cache, [*extra, "schedule.mode=fused", *REPLICAS, "trainer.save_every=1",
+                              "trainer.max_restarts=0"], steps=3)
     run = tmp_path / "run"
     with pytest.raises(WorkerFailure) as err:
         train(cfg, run)
@@ -151,6 +151,13 @@ def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkey
     assert "\n" not in message
     assert "rollout worker rank 1 (pool rollout)" in message and "its process died" in message, message
     assert "last checkpoint: step_1" in message and f"fuseflow train --resume {run}" in message, message
+
+
+def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkeypatch):
+    import ray
+
+    run_with_replica_killed(tmp_path, sft_cache, monkeypatch, [],
+                            lambda pool: ray.kill(pool.replicas.handles[1], no_restart=True))
 
 
 @pytest.mark.parametrize("bad,words", [

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from functools import partial
 
 import pytest
 import torch
 
-from fuseflow.controller.group import WorkerFailure
 from fuseflow.rollout.base import RolloutRequest, SamplingParams
 from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
-from test_ray_rollout import REPLICAS, _config, _run
+from test_ray_rollout import REPLICAS, _run, run_with_replica_killed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
 VLLM = ["rollout.backend=vllm", "ray.start_timeout_s=600"]  # vLLM's start-up under load
@@ -95,28 +93,9 @@ def test_fused_vllm_replicas_train_and_follow_each_weight_sync(tmp_path, sft_cac
 
 def test_a_killed_vllm_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkeypatch):
     pytest.importorskip("vllm")
-    from fuseflow.runner import train
-    from fuseflow.schedule.ray_pool import RayRolloutPool
-
-    real, killed = RayRolloutPool._stream, {}
-
-    def stream_then_kill(self, i, requests):
-        real(self, i, requests)
-        if self._args[0] == 2 and i == 1 and not killed:  # mid-generation of step 2, after step 1's checkpoint
-            killed["at"] = time.perf_counter()
-            os.kill(self.replicas.pids[1], signal.SIGKILL)  # the process with vLLM's engine in it
-
-    monkeypatch.setattr(RayRolloutPool, "_stream", stream_then_kill)
-    cfg = _config(sft_cache, [*VLLM, "schedule.mode=fused", *REPLICAS, "trainer.save_every=1",
-                              "trainer.max_restarts=0"], steps=3)
-    run = tmp_path / "run"
-    with pytest.raises(WorkerFailure) as err:
-        train(cfg, run)
-    message = str(err.value)
-    assert time.perf_counter() - killed["at"] < 30.0
-    assert "\n" not in message
-    assert "rollout worker rank 1 (pool rollout)" in message and "its process died" in message, message
-    assert "last checkpoint: step_1" in message and f"fuseflow train --resume {run}" in message, message
+    # SIGKILL to the process with vLLM's engine in it, mid-generation of step 2.
+    run_with_replica_killed(tmp_path, sft_cache, monkeypatch, VLLM,
+                            lambda pool: os.kill(pool.replicas.pids[1], signal.SIGKILL))
 
 
 @pytest.mark.parametrize("mode", ["fused+async", "elastic"])
