@@ -121,3 +121,76 @@ def test_activation_checkpointing_gives_the_same_logprobs_and_grads():
     assert set(g0) == set(g1) and len(g0) > 10
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# Shared prompts (GRPO's groups): rows 0-2 share one prompt, rows 3-5 another, row 6 has its own.
+GROUPED = [(0, 5), (0, 1), (0, 3), (1, 2), (1, 6), (1, 4), (2, 3)]
+PROMPT_LENS = [12, 9, 14]
+
+
+def _grouped_rows(vocab=37):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return [(prompts[p], torch.randint(1, vocab, (r,), generator=g).tolist()) for p, r in GROUPED]
+
+
+def test_shared_prompts_finds_the_groups_and_declines_a_small_saving():
+    from fuseflow.workers.common import shared_prompts
+
+    first, inverse = shared_prompts(_batch(_grouped_rows()))
+    assert [first[i].item() for i in inverse.tolist()] == [0, 0, 0, 3, 3, 3, 6]
+    # Distinct prompts: nothing to share.
+    assert shared_prompts(_batch(_rows())) is None
+    # One shared 2-token prompt before long responses: 2 + 2 * 29 tokens against 2 * 31 saves too little.
+    g = torch.Generator().manual_seed(0)
+    rows = [([4, 5], torch.randint(1, 37, (30,), generator=g).tolist()) for _ in range(2)]
+    assert shared_prompts(_batch(rows)) is None
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora", "checkpointing"])
+def test_shared_prefix_logprobs_entropy_and_grads_equal_the_unpadded_rows(variant):
+    from fuseflow.models.llama import set_activation_checkpointing
+    from fuseflow.models.lora import LoraSpec, apply_lora
+
+    rows, model = _grouped_rows(), _model()
+    if variant == "lora":
+        model = apply_lora(model, LoraSpec(rank=4, alpha=8.0, dropout=0.0), seed=1)
+        with torch.no_grad():  # B starts at zero; make the adapters count
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+    set_activation_checkpointing(model, variant == "checkpointing")
+    batch = _batch(rows)
+    mask = batch["response_mask"].bool()
+    weights = torch.linspace(0.5, 2.0, int(mask.sum()))
+
+    logp, entropy = response_logprobs(model, batch, 0.7, with_entropy=True, share_prefix=True)
+    (logp[mask] * weights).sum().backward()
+    shared = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    ref = _naive(model, rows, 0.7)
+    torch.cat([lp for lp, _ in ref]).mul(weights).sum().backward()
+    naive = _grads(model)
+
+    for i, (lp, ent) in enumerate(ref):
+        n = len(lp)
+        torch.testing.assert_close(logp[i, :n], lp.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[i, :n], ent.detach(), rtol=1e-5, atol=1e-5)
+    assert set(shared) == set(naive) and len(naive) > 4
+    for name in naive:
+        torch.testing.assert_close(shared[name], naive[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_shared_prefix_runs_each_prompt_once():
+    # The saving is real: the prompt tokens go through the decoder once per distinct prompt.
+    rows, model = _grouped_rows(), _model()
+    batch = _batch(rows)
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    with torch.no_grad():
+        response_logprobs(model, batch, 1.0)
+        response_logprobs(model, batch, 1.0, share_prefix=True)
+    tp, tr = max(PROMPT_LENS), max(r for _, r in GROUPED)
+    assert seen[0] == len(rows) * (tp + tr)  # one forward over every padded row
+    assert seen[1:] == [3 * tp, len(rows) * (tr - 1)]  # three prompts, then the responses but the last token

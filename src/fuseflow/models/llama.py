@@ -263,11 +263,11 @@ class DecoderModel(nn.Module):
         if mask is not None and t == 1 and (attention_mask is None or bool(attention_mask.all())):
             mask = None  # single query and every key is real: causal order needs no mask
         keys, values = [], []
-        recompute = self.activation_checkpointing and torch.is_grad_enabled() and past_key_values is None
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else (past_key_values.keys[i], past_key_values.values[i])
-            if recompute and not use_cache:
-                h, (k, v) = checkpoint(layer, h, cos, sin, mask, None, use_reentrant=False)
+            if recompute:  # a shared prompt's keys and values (past) and the cache it returns work alike
+                h, (k, v) = checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
             else:
                 h, (k, v) = layer(h, cos, sin, mask, past)
             if use_cache:

@@ -35,6 +35,7 @@ class ReferenceWorker(Worker):
     heldout: HeldOut | None = None  # set by the builder: held-out prompts for evaluate / sample_heldout
 
     token_budget = 4096  # padded tokens per inference forward (schedule.token_budget; the builder sets it)
+    share_prefix = False  # run each distinct prompt once (schedule.shared_prefix; the builder sets it)
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, temperature: float):
         self.model = self.plain = model.eval().requires_grad_(False)
@@ -48,9 +49,16 @@ class ReferenceWorker(Worker):
 
         def run(mb: Batch) -> torch.Tensor:
             with autocast(self.device, self.dtype):
-                return response_logprobs(self.model, mb.to(self.device), self.temperature).cpu()
+                return response_logprobs(self.model, mb.to(self.device), self.temperature,
+                                         share_prefix=self.shares_prefix).cpu()
 
         return sorted_inference(batch, self.token_budget, run, worker=self)
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether this worker's forwards share prompts: on by config, and never for a sharded model,
+        whose ranks must all run the same forwards while their batches differ."""
+        return self.share_prefix and not getattr(self, "sharded", False)
 
     @register("rank_zero")
     def evaluate(self) -> dict[str, float]:
@@ -151,10 +159,11 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             mini = batch.select(idx)
             n_tok, n_seq = self.global_counts(mini["response_mask"])
             rec: dict[str, float] = {}
-            for mb in train_microbatches(self, mini, self.token_budget, self.mbs):
+            for mb in train_microbatches(self, mini, self.token_budget, self.mbs, by_prompt=self.shares_prefix):
                 mb = mb.to(self.device)
                 with autocast(self.device, self.dtype):
-                    logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True)
+                    logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True,
+                                                      share_prefix=self.shares_prefix)
                 loss, metrics = actor_loss(self.policy_loss, algo, logp, entropy, mb, kl_coef, n_tok, n_seq,
                                            self.norm_len)
                 self.backward(loss)

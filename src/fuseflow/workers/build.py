@@ -116,6 +116,12 @@ def _load_optimizer(worker, ckpt: Path | None) -> None:
         worker.optimizer.load_state_dict(state)
 
 
+def _batching(worker, cfg) -> None:
+    """How ``worker`` cuts its forwards: padded tokens per micro-batch and shared prompts (``schedule``)."""
+    worker.token_budget = cfg.schedule.token_budget
+    worker.share_prefix = cfg.schedule.shared_prefix
+
+
 def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
@@ -125,7 +131,7 @@ def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
                          cfg.algorithm, cfg.trainer, cfg.rollout.temperature, cfg.model.max_response_len, plain=plain)
     set_activation_checkpointing(worker.model, cfg.trainer.activation_checkpointing)
     worker.tokenizer, worker.heldout = tokenizer, HeldOut.from_config(cfg, ctx.task, tokenizer)
-    worker.token_budget = cfg.schedule.token_budget
+    _batching(worker, cfg)
     worker.base_path = ctx.ref_dir.resolve()
     _load_optimizer(worker, ctx.ckpt)
     return worker
@@ -155,10 +161,10 @@ def build_rollout_engine(ctx: RoleContext):
         engine = Engine(model, EngineConfig(max_num_seqs=r.max_num_seqs, kv_budget_tokens=r.kv_budget_tokens),
                         tokenizer=run_tokenizer(cfg))
     scorer = ReferenceWorker(model, device, dtype, r.temperature)
-    scorer.token_budget = cfg.schedule.token_budget
+    _batching(scorer, cfg)
     ref = CausalLM.from_pretrained(ctx.ref_dir).to(device).eval().requires_grad_(False)
     ref_scorer = ReferenceWorker(ref, device, dtype, r.temperature)
-    ref_scorer.token_budget = cfg.schedule.token_budget
+    _batching(ref_scorer, cfg)
     return engine, scorer, ref_scorer
 
 
@@ -169,7 +175,7 @@ def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
     model = shared if shared is not None else CausalLM.from_pretrained(ctx.ref_dir).to(device)
     worker = ReferenceWorker(model, device, dtype, cfg.rollout.temperature)
     worker.heldout = HeldOut.from_config(cfg, ctx.task, run_tokenizer(cfg))
-    worker.token_budget = cfg.schedule.token_budget
+    _batching(worker, cfg)
     return worker
 
 
@@ -181,7 +187,7 @@ def build_critic(ctx: RoleContext, dist: DistInfo, name: str = "critic", prefix:
              else ValueModel.from_causal_lm(CausalLM.from_pretrained(ctx.ref_dir))).to(device)
     worker = CriticWorker(_shard(plain, device, dist), device, dtype, cfg.algorithm, cfg.trainer,
                           cfg.model.max_response_len, prefix, name, plain=plain)
-    worker.token_budget = cfg.schedule.token_budget
+    _batching(worker, cfg)
     _load_optimizer(worker, ctx.ckpt)
     return worker
 

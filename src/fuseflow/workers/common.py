@@ -58,7 +58,59 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
+# Share prompts only where it saves at least this fraction of a forward's tokens: two forward calls and
+# the cache gather cost a little, which a small saving would not pay back.
+SHARED_PREFIX_MIN_SAVING = 0.25
+
+
+def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(first, inverse)`` when the batch's distinct prompts are few enough to run each once, else None.
+
+    ``first`` (U,) holds one row index per distinct prompt (its first row), ``inverse`` (B,) the
+    position in ``first`` of each row's prompt. Rows share a prompt when their prompt columns
+    (ids and mask, left-padded) are equal. None when sharing saves less than
+    ``SHARED_PREFIX_MIN_SAVING`` of the tokens: ``U * Tp + B * (Tr - 1)`` against ``B * (Tp + Tr - 1)``.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    b, tr = ids.shape[0], batch["response_mask"].shape[1]
+    tp = ids.shape[1] - tr
+    if b < 2 or tp < 1:
+        return None
+    key = torch.where(mask[:, :tp].bool(), ids[:, :tp], -1)  # pad columns equal whatever their id
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    u = uniq.shape[0]
+    if u * tp + b * (tr - 1) > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
+        return None
+    first = torch.full((u,), b, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(b), reduce="amin")
+    return first, inverse
+
+
+def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
+                          inverse: torch.Tensor) -> torch.Tensor:
+    """Logits (B, Tr, V) that predict the response tokens, each distinct prompt run once.
+
+    The U distinct prompts go through the model with ``use_cache``; the logits at their last
+    column predict response token 0. Their keys and values are repeated to the B rows
+    (``KVCache.select``, which autograd follows back to the prompts) and the response tokens
+    but the last run against them with the full mask, at the positions the whole row would
+    give them. The values equal one forward over the whole rows up to float rounding.
+    """
+    tp = ids.shape[1] - tr
+    dev = ids.device
+    first, inverse = first.to(dev), inverse.to(dev)
+    pos = position_ids(mask)
+    head = model(ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
+                 use_cache=True, logits_to_keep=1)
+    logits0 = head.logits[inverse]  # (B, 1, V)
+    if tr == 1:
+        return logits0
+    rest = model(ids[:, tp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, tp:-1],
+                 past_key_values=head.past_key_values.select(inverse), logits_to_keep=tr - 1).logits
+    return torch.cat([logits0, rest], dim=1)
+
+
+def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,
+                      share_prefix: bool = False):
     """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr).
 
     Only the last ``Tr + 1`` positions go through the LM head (``logits_to_keep``): the prompt's
@@ -69,11 +121,20 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     ``logits_to_keep`` and returns every position gets the same columns. The entropy is a metric
     (no loss uses it): it is computed outside autograd, so its (B, Tr, V) intermediates are not
     kept for the backward pass.
+
+    ``share_prefix``: when the batch's rows share few distinct prompts (GRPO's groups), run each
+    prompt once and the responses against its cached keys and values (``shared_prompts``); the
+    model must be a plain decoder that takes ``past_key_values`` (not a pipeline stage, not
+    sharded: every rank would have to make the same choice).
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
-    logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
-    logits = logits[:, -(tr + 1):-1].float()  # (B, Tr, V): the positions that predict the response
+    plan = shared_prompts(batch) if share_prefix else None
+    if plan is not None:
+        logits = _shared_prefix_logits(model, ids, mask, tr, *plan).float()
+    else:
+        logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
+        logits = logits[:, -(tr + 1):-1].float()  # (B, Tr, V): the positions that predict the response
     if temperature != 1.0:
         logits = logits / temperature
     targets = ids[:, -tr:]  # (B, Tr)
@@ -148,7 +209,19 @@ def match_peer_count(worker, chunks: list[list[int]]) -> list[list[int]]:
     return chunks
 
 
-def train_microbatches(worker, mini: Batch, budget: int, max_rows: int) -> list[Batch]:
+def _by_prompt(batch: Batch, rows: list[int]) -> list[int]:
+    """``rows`` reordered so that rows with equal prompt columns are adjacent (stable: groups in order
+    of their first row, rows in their given order)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    tp = ids.shape[1] - batch["response_mask"].shape[1]
+    keys = [tuple(r) for r in torch.where(mask[rows, :tp].bool(), ids[rows, :tp], -1).tolist()]
+    first = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    return [rows[i] for i in sorted(range(len(rows)), key=lambda i: (first[keys[i]], i))]
+
+
+def train_microbatches(worker, mini: Batch, budget: int, max_rows: int, by_prompt: bool = False) -> list[Batch]:
     """Micro-batches of one mini-batch for gradient accumulation: length-sorted, trimmed, at most
     ``max_rows`` rows and ``budget`` padded tokens each.
 
@@ -156,7 +229,11 @@ def train_microbatches(worker, mini: Batch, budget: int, max_rows: int) -> list[
     rows are grouped changes the accumulated gradient only by float summation order. With FSDP
     every rank must run as many forwards/backwards as its peers (each one all-gathers and
     reduce-scatters), so ranks agree on the largest count and split their biggest groups to reach it.
+    ``by_prompt``: within a length group, rows that share a prompt go to the same micro-batch (in the
+    group's length order otherwise), so a shared-prefix forward runs fewer distinct prompts.
     """
     chunks = length_sorted_chunks(mini, budget)
+    if by_prompt:
+        chunks = [_by_prompt(mini, c) for c in chunks]
     chunks = [c[i : i + max_rows] for c in chunks for i in range(0, len(c), max_rows)]
     return [trim_padding(mini.select(c)) for c in match_peer_count(worker, chunks)]
