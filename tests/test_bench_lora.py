@@ -16,7 +16,8 @@ def test_bench_lora_on_a_tiny_model(tmp_path):
     cfg = ModelConfig.preset("tiny", vocab_size=len(load_tokenizer(None)))
     CausalLM.from_config(cfg, seed=0).save_pretrained(tmp_path / "m")
     r = run_lora_bench(str(tmp_path / "m"), rows=4, prompt_len=4, response_len=4, steps=1, threads=1, rank=2,
-                       engine_prompts=2, engine_tokens=4, repeats=1, log=lambda *_: None)
+                       engine_prompts=2, engine_tokens=4, repeats=1, log=lambda *_: None, group_size=2)
+    assert r["settings"]["group_size"] == 2
     full, lora = r["variants"]["full"], r["variants"]["lora"]
     n = cfg.num_hidden_layers
     h, kv, i = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size

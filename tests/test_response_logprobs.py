@@ -194,3 +194,41 @@ def test_shared_prefix_runs_each_prompt_once():
     tp, tr = max(PROMPT_LENS), max(r for _, r in GROUPED)
     assert seen[0] == len(rows) * (tp + tr)  # one forward over every padded row
     assert seen[1:] == [3 * tp, len(rows) * (tr - 1)]  # three prompts, then the responses but the last token
+
+
+def test_the_actor_shares_prompts_in_scoring_and_training_with_the_same_result(tmp_path):
+    # schedule.shared_prefix reaches the actor's scoring and its update: fewer tokens through the
+    # decoder, the same log-probs, gradient norm and loss.
+    from fuseflow.config import load_config
+    from fuseflow.controller.worker import DistInfo
+    from fuseflow.data.tokenizer import load_tokenizer
+    from fuseflow.tasks import make_task
+    from fuseflow.workers.build import RoleContext, build_actor
+
+    vocab = len(load_tokenizer(None))
+    CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=vocab), seed=0).save_pretrained(tmp_path / "m")
+    rows = _grouped_rows(vocab=min(vocab, 37))
+    rows.append((rows[-1][0], rows[0][1]))  # 8 rows, 3 prompts
+    groups = [p for p, _ in GROUPED] + [2]
+    out = {}
+    for share in (False, True):
+        cfg = load_config("default", ["task.train_size=16", "task.eval_size=4", "trainer.prompts_per_step=4", "algorithm.group_size=2", "trainer.mini_batch_size=8",
+                                      "trainer.micro_batch_size=8", "algorithm.kl_in_reward=false",
+                                      f"schedule.shared_prefix={str(share).lower()}"])
+        actor = build_actor(RoleContext(cfg, tmp_path / "m", None, make_task(cfg.task)), DistInfo())
+        tokens = []
+        actor.plain.model.embed_tokens.register_forward_hook(lambda m, i, o, tokens=tokens: tokens.append(i[0].numel()))
+        batch = _batch(rows)
+        batch.meta.update(uid=list(range(len(rows))), group_id=groups)
+        mask = batch["response_mask"]
+        batch["advantages"] = torch.linspace(-1, 1, len(rows))[:, None] * mask
+        logp = actor.compute_logprobs(batch)
+        batch["old_logprobs"] = batch["behavior_logprobs"] = logp
+        batch["ref_logprobs"] = logp - 0.1 * mask
+        metrics = actor.update(batch, 1e-3, 0.05, seed=0)
+        out[share] = (logp, metrics, sum(tokens))
+    (lp0, m0, t0), (lp1, m1, t1) = out[False], out[True]
+    assert t1 < 0.8 * t0, (t0, t1)
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    for key in ("actor/grad_norm", "actor/pg_loss"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6), key

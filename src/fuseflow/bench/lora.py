@@ -47,7 +47,7 @@ def _peak_mb() -> float:
 
 
 def _train_variant(model_dir: str, lora: bool, rows: int, prompt_len: int, response_len: int, steps: int,
-                   threads: int, overrides: list[str]) -> dict:
+                   threads: int, overrides: list[str], group_size: int = 1) -> dict:
     """Child process: build actor + reference for one variant, run ``steps`` updates, report memory."""
     torch.set_num_threads(threads)
     from fuseflow.config import load_config
@@ -70,10 +70,14 @@ def _train_variant(model_dir: str, lora: bool, rows: int, prompt_len: int, respo
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(response_len // 2, response_len + 1, (rows,), generator=g)
     rmask = (torch.arange(response_len) < lengths[:, None]).float()  # (B, Tr)
-    batch = Batch({"input_ids": torch.randint(0, vocab, (rows, prompt_len + response_len), generator=g),
+    # Rows i, i+1, ... of one group share their prompt (GRPO samples group_size responses per prompt).
+    prompts = torch.randint(0, vocab, (-(-rows // group_size), prompt_len), generator=g)
+    ids = torch.cat([prompts[torch.arange(rows) // group_size],
+                     torch.randint(0, vocab, (rows, response_len), generator=g)], 1)
+    batch = Batch({"input_ids": ids,
                    "attention_mask": torch.cat([torch.ones(rows, prompt_len, dtype=torch.long), rmask.long()], 1),
                    "response_mask": rmask, "advantages": torch.randn(rows, response_len, generator=g) * rmask},
-                  {"uid": list(range(rows)), "group_id": [i // 4 for i in range(rows)]})
+                  {"uid": list(range(rows)), "group_id": [i // group_size for i in range(rows)]})
     seconds = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -135,18 +139,19 @@ def engine_speed(model_dir: Path, rank: int, prompts: int, new_tokens: int, repe
 def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 64, response_len: int = 64,
                    steps: int = 2, threads: int = 2, overrides: list[str] | None = None, rank: int = 8,
                    engine_prompts: int = 16, engine_tokens: int = 32, repeats: int = 3, log=print,
-                   micro_batch: int | None = None) -> dict:
+                   micro_batch: int | None = None, group_size: int = 1) -> dict:
     """Both memory variants (each in its own process), then the engine comparison; the figures as a dict.
 
     ``rows`` sequences make one mini-batch (one optimizer step per update), cut into micro-batches of
-    ``micro_batch`` rows (default: all of them) for gradient accumulation.
+    ``micro_batch`` rows (default: all of them) for gradient accumulation. Rows come in groups of
+    ``group_size`` that share a prompt, as GRPO's samples of one prompt do (1: every prompt distinct).
     """
     from fuseflow.models import CausalLM, ModelConfig
 
     micro_batch = micro_batch or rows
-    if steps < 1 or rows < 1 or micro_batch < 1 or rows % micro_batch:
-        raise ValueError(f"steps and rows must be >= 1 and the micro-batch must divide rows, got steps={steps}, "
-                         f"rows={rows}, micro-batch={micro_batch}")
+    if steps < 1 or rows < 1 or micro_batch < 1 or rows % micro_batch or group_size < 1:
+        raise ValueError(f"steps, rows and the group size must be >= 1 and the micro-batch must divide rows, got "
+                         f"steps={steps}, rows={rows}, micro-batch={micro_batch}, group size={group_size}")
     with tempfile.TemporaryDirectory(prefix="fuseflow-bench-lora-") as tmp:
         if model is None:
             model_dir = Path(tmp) / "model"
@@ -168,7 +173,7 @@ def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 6
             log(f"training memory: {name} fine-tuning in a fresh process...")
             with spawn.Pool(1) as pool:
                 variants[name] = pool.apply(_train_variant, (str(model_dir), name == "lora", rows, prompt_len,
-                                                             response_len, steps, threads, lora_args))
+                                                             response_len, steps, threads, lora_args, group_size))
         log("engine: base vs adapted (on the fly) vs merged copy...")
         torch.set_num_threads(threads)
         engine = engine_speed(model_dir, rank, engine_prompts, engine_tokens, repeats)
@@ -177,7 +182,7 @@ def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 6
         "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__},
         "model": model or "random, SmolLM2-135M's shape",
         "settings": {"rows": rows, "prompt_len": prompt_len, "response_len": response_len, "steps": steps,
-                     "micro_batch_size": micro_batch, "rank": rank, "alpha": 2 * rank,
+                     "micro_batch_size": micro_batch, "group_size": group_size, "rank": rank, "alpha": 2 * rank,
                      "targets": "q,k,v,o,gate,up,down", "overrides": overrides or []},
         "variants": variants,
         "peak_reduction": 1.0 - lora["peak_rss_mb"] / full["peak_rss_mb"],
@@ -200,6 +205,8 @@ def register(bench_app) -> None:
                    micro_batch: int = typer.Option(None, "--micro-batch", help="Rows per forward/backward "
                                                    "(default: all rows)."),
                    prompt_len: int = typer.Option(64, "--prompt-len"),
+                   group_size: int = typer.Option(1, "--group-size", help="Rows per prompt (GRPO's samples of one "
+                                                  "prompt; 1: every prompt distinct)."),
                    response_len: int = typer.Option(64, "--response-len"),
                    steps: int = typer.Option(2, "--steps", help="RL updates per variant."),
                    rank: int = typer.Option(8, "--rank", help="LoRA rank (alpha = 2 * rank)."),
@@ -210,7 +217,7 @@ def register(bench_app) -> None:
 
         try:
             r = run_lora_bench(model, rows, prompt_len, response_len, steps, threads, overrides, rank,
-                               log=console.print, micro_batch=micro_batch)
+                               log=console.print, micro_batch=micro_batch, group_size=group_size)
         except (ConfigError, ValueError, FileNotFoundError) as e:
             fail(str(e))
         for name, v in r["variants"].items():
