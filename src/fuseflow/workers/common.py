@@ -81,7 +81,8 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     u = uniq.shape[0]
     if u * tp + b * (tr - 1) > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
         return None
-    first = torch.full((u,), b, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(b), reduce="amin")
+    rows = torch.arange(b, device=ids.device)
+    first = torch.full((u,), b, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, rows, reduce="amin")
     return first, inverse
 
 
