@@ -55,15 +55,15 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_batched_logprobs_entropy_and_grads_equal_the_unpadded_rows(temperature):
-    rows, model = _rows(), _model()
-    weights = torch.linspace(0.5, 2.0, sum(r for _, r in ROWS))  # a different weight per real token
+def _matches_naive(model, rows, temperature, **kwargs):
+    """``response_logprobs(..., **kwargs)`` on the padded batch against ``_naive``: log-probs, entropies and
+    the gradient of a weighted sum over the real tokens (a different weight each) must agree.
+    Returns the batched log-probs and entropies and both gradient dicts."""
     batch = _batch(rows)
     mask = batch["response_mask"].bool()
+    weights = torch.linspace(0.5, 2.0, int(mask.sum()))
 
-    logp, entropy = response_logprobs(model, batch, temperature, with_entropy=True)
-    assert logp.shape == entropy.shape == mask.shape
+    logp, entropy = response_logprobs(model, batch, temperature, with_entropy=True, **kwargs)
     (logp[mask] * weights).sum().backward()
     batched = _grads(model)
     model.zero_grad(set_to_none=True)
@@ -76,10 +76,19 @@ def test_batched_logprobs_entropy_and_grads_equal_the_unpadded_rows(temperature)
         n = len(lp)
         torch.testing.assert_close(logp[i, :n], lp.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy[i, :n], ent.detach(), rtol=1e-5, atol=1e-5)
-    assert not entropy.requires_grad  # a metric: its (B, Tr, V) intermediates are not kept for backward
-    assert set(batched) == set(naive) and "model.layers.0.self_attn.q_proj.weight" in naive
+    assert set(batched) == set(naive) and len(naive) > 4
     for name in naive:
         torch.testing.assert_close(batched[name], naive[name], rtol=1e-4, atol=1e-5, msg=name)
+    return logp, entropy, batched, naive
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_batched_logprobs_entropy_and_grads_equal_the_unpadded_rows(temperature):
+    rows = _rows()
+    logp, entropy, batched, naive = _matches_naive(_model(), rows, temperature)
+    assert logp.shape == entropy.shape == _batch(rows)["response_mask"].shape
+    assert not entropy.requires_grad  # a metric: its (B, Tr, V) intermediates are not kept for backward
+    assert "model.layers.0.self_attn.q_proj.weight" in naive
 
 
 def test_a_model_returning_every_position_gives_the_same_logprobs():
@@ -160,26 +169,7 @@ def test_shared_prefix_logprobs_entropy_and_grads_equal_the_unpadded_rows(varian
                 if "lora_B" in n:
                     p.normal_(0, 0.05)
     set_activation_checkpointing(model, variant == "checkpointing")
-    batch = _batch(rows)
-    mask = batch["response_mask"].bool()
-    weights = torch.linspace(0.5, 2.0, int(mask.sum()))
-
-    logp, entropy = response_logprobs(model, batch, 0.7, with_entropy=True, share_prefix=True)
-    (logp[mask] * weights).sum().backward()
-    shared = _grads(model)
-    model.zero_grad(set_to_none=True)
-
-    ref = _naive(model, rows, 0.7)
-    torch.cat([lp for lp, _ in ref]).mul(weights).sum().backward()
-    naive = _grads(model)
-
-    for i, (lp, ent) in enumerate(ref):
-        n = len(lp)
-        torch.testing.assert_close(logp[i, :n], lp.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(entropy[i, :n], ent.detach(), rtol=1e-5, atol=1e-5)
-    assert set(shared) == set(naive) and len(naive) > 4
-    for name in naive:
-        torch.testing.assert_close(shared[name], naive[name], rtol=1e-4, atol=1e-5, msg=name)
+    _matches_naive(model, rows, 0.7, share_prefix=True)
 
 
 def test_shared_prefix_runs_each_prompt_once():

@@ -63,6 +63,13 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 SHARED_PREFIX_MIN_SAVING = 0.25
 
 
+def _prompt_keys(batch: Batch) -> torch.Tensor:
+    """(B, Tp) prompt columns with padding set to -1: rows with equal keys have the same prompt."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    tp = ids.shape[1] - batch["response_mask"].shape[1]
+    return torch.where(mask[:, :tp].bool(), ids[:, :tp], -1)
+
+
 def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first, inverse)`` when the batch's distinct prompts are few enough to run each once, else None.
 
@@ -71,13 +78,12 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     (ids and mask, left-padded) are equal. None when sharing saves less than
     ``SHARED_PREFIX_MIN_SAVING`` of the tokens: ``U * Tp + B * (Tr - 1)`` against ``B * (Tp + Tr - 1)``.
     """
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids = batch["input_ids"]
     b, tr = ids.shape[0], batch["response_mask"].shape[1]
     tp = ids.shape[1] - tr
     if b < 2 or tp < 1:
         return None
-    key = torch.where(mask[:, :tp].bool(), ids[:, :tp], -1)  # pad columns equal whatever their id
-    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    uniq, inverse = torch.unique(_prompt_keys(batch), dim=0, return_inverse=True)
     u = uniq.shape[0]
     if u * tp + b * (tr - 1) > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
         return None
@@ -97,8 +103,6 @@ def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int,
     give them. The values equal one forward over the whole rows up to float rounding.
     """
     tp = ids.shape[1] - tr
-    dev = ids.device
-    first, inverse = first.to(dev), inverse.to(dev)
     pos = position_ids(mask)
     head = model(ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
                  use_cache=True, logits_to_keep=1)
@@ -213,9 +217,7 @@ def match_peer_count(worker, chunks: list[list[int]]) -> list[list[int]]:
 def _by_prompt(batch: Batch, rows: list[int]) -> list[int]:
     """``rows`` reordered so that rows with equal prompt columns are adjacent (stable: groups in order
     of their first row, rows in their given order)."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    tp = ids.shape[1] - batch["response_mask"].shape[1]
-    keys = [tuple(r) for r in torch.where(mask[rows, :tp].bool(), ids[rows, :tp], -1).tolist()]
+    keys = [tuple(r) for r in _prompt_keys(batch)[rows].tolist()]
     first = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
