@@ -149,7 +149,11 @@ def test_shared_prompts_finds_the_groups_and_declines_a_small_saving():
     first, inverse = shared_prompts(_batch(_grouped_rows()))
     assert [first[i].item() for i in inverse.tolist()] == [0, 0, 0, 3, 3, 3, 6]
     # Distinct prompts: nothing to share.
-    assert shared_prompts(_batch(_rows())) is None
+    assert shared_prompts(_batch(_rows())) is None  # distinct prompts, 17% of the tokens are padding
+    # Distinct prompts, but most response columns are padding: unpadding alone saves enough.
+    tail = [([1, 2, 3][: i + 1], [5] * (24 if i == 0 else 2)) for i in range(3)]
+    first, inverse = shared_prompts(_batch(tail))
+    assert first.tolist() != [] and sorted(inverse.tolist()) == [0, 1, 2]
     # One shared 2-token prompt before long responses: 2 + 2 * 29 tokens against 2 * 31 saves too little.
     g = torch.Generator().manual_seed(0)
     rows = [([4, 5], torch.randint(1, 37, (30,), generator=g).tolist()) for _ in range(2)]
@@ -172,8 +176,9 @@ def test_shared_prefix_logprobs_entropy_and_grads_equal_the_unpadded_rows(varian
     _matches_naive(model, rows, 0.7, share_prefix=True)
 
 
-def test_shared_prefix_runs_each_prompt_once():
-    # The saving is real: the prompt tokens go through the decoder once per distinct prompt.
+def test_shared_prefix_runs_each_prompt_once_and_no_response_padding():
+    # The saving is real: the prompt tokens go through the decoder once per distinct prompt, and of the
+    # responses only the tokens that predict a next real token, with no padding.
     rows, model = _grouped_rows(), _model()
     batch = _batch(rows)
     seen = []
@@ -183,7 +188,7 @@ def test_shared_prefix_runs_each_prompt_once():
         response_logprobs(model, batch, 1.0, share_prefix=True)
     tp, tr = max(PROMPT_LENS), max(r for _, r in GROUPED)
     assert seen[0] == len(rows) * (tp + tr)  # one forward over every padded row
-    assert seen[1:] == [3 * tp, len(rows) * (tr - 1)]  # three prompts, then the responses but the last token
+    assert seen[1:] == [3 * tp, sum(r - 1 for _, r in GROUPED)]  # three prompts, then each response but its last
 
 
 def test_the_actor_shares_prompts_in_scoring_and_training_with_the_same_result(tmp_path):
@@ -219,6 +224,48 @@ def test_the_actor_shares_prompts_in_scoring_and_training_with_the_same_result(t
         out[share] = (logp, metrics, sum(tokens))
     (lp0, m0, t0), (lp1, m1, t1) = out[False], out[True]
     assert t1 < 0.8 * t0, (t0, t1)
-    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    real = batch["response_mask"].bool()
+    torch.testing.assert_close(lp1[real], lp0[real], rtol=1e-5, atol=1e-5)
+    assert not lp1[~real].any()  # nothing is computed past a response
     for key in ("actor/grad_norm", "actor/pg_loss"):
         assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6), key
+
+
+def test_an_unpadded_forward_equals_the_padded_one_at_the_real_tokens():
+    # Packed (1, N) tokens of a right-padded batch behind a shared cache: the hidden states, the
+    # returned cache at the real positions and the gradients equal the padded forward's.
+    from fuseflow.models.llama import Unpadded
+
+    model, g = _model(), torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 37, (2, 6), generator=g)
+    p_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    resp = torch.randint(1, 37, (2, 5), generator=g)
+    r_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    mask = torch.cat([p_mask, r_mask], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    head = model(prompt, attention_mask=p_mask, position_ids=pos[:, :6], use_cache=True)
+    padded = model(resp, attention_mask=mask, position_ids=pos[:, 6:], past_key_values=head.past_key_values,
+                   use_cache=True, return_hidden=True)
+    unpad = Unpadded.from_mask(r_mask)
+    assert unpad.index.tolist() == [0, 1, 2, 5, 6, 7, 8, 9]
+    packed = model(resp.reshape(-1)[unpad.index][None], attention_mask=mask,
+                   position_ids=pos[:, 6:].reshape(-1)[unpad.index][None], past_key_values=head.past_key_values,
+                   use_cache=True, return_hidden=True, unpadded=unpad)
+    real = r_mask.bool()
+    assert packed.logits.shape == (1, 8, 37)
+    torch.testing.assert_close(packed.logits[0], padded.logits[real], rtol=1e-5, atol=1e-5)
+    k_real = torch.cat([p_mask, r_mask], 1).bool()
+    for kp, kq in zip(packed.past_key_values.keys, padded.past_key_values.keys, strict=True):
+        torch.testing.assert_close(kp.transpose(1, 2)[k_real], kq.transpose(1, 2)[k_real], rtol=1e-5, atol=1e-5)
+    w = torch.linspace(0.1, 1.0, 37)
+    (packed.logits[0] * w).sum().backward(retain_graph=True)  # the prompt's graph serves both
+    got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    (padded.logits[real] * w).sum().backward()
+    want = _grads(model)
+    assert set(got) == set(want) and len(want) > 10
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="packed"):
+        model(resp.reshape(-1)[unpad.index][None], attention_mask=mask, past_key_values=head.past_key_values,
+              unpadded=unpad)

@@ -57,6 +57,40 @@ class KVCache:
         )
 
 
+@dataclass(frozen=True)
+class Unpadded:
+    """Where the N tokens of a packed ``(1, N)`` input sit in a padded ``(batch, width)`` layout.
+
+    A forward given one runs embeddings, norms, the q/k/v/o projections, the MLP and the LM head on
+    the N real tokens only (no compute on padding); attention alone scatters q, k and v to the padded
+    layout (zeros at padding, which the mask hides) and gathers its output back. Build it from a
+    (batch, width) 0/1 mask with ``from_mask``; the packed tokens are the mask's ones in row-major order.
+    """
+
+    index: Tensor  # (N,) flat positions in batch * width
+    batch: int
+    width: int
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> Unpadded:
+        """The ones of ``mask`` (batch, width), row by row."""
+        b, w = mask.shape
+        return cls(mask.reshape(-1).nonzero().squeeze(1), b, w)
+
+    def pad(self, x: Tensor) -> Tensor:
+        """(1, heads, N, d) -> (batch, heads, width, d), zeros at padding."""
+        h, d = x.shape[1], x.shape[3]
+        flat = x[0].transpose(0, 1)  # (N, heads, d)
+        out = flat.new_zeros(self.batch * self.width, h, d).index_copy(0, self.index, flat)
+        return out.view(self.batch, self.width, h, d).transpose(1, 2)
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """(batch, heads, width, d) -> (1, heads, N, d): the real positions only."""
+        h, d = x.shape[1], x.shape[3]
+        flat = x.transpose(1, 2).reshape(self.batch * self.width, h, d).index_select(0, self.index)
+        return flat.transpose(0, 1).unsqueeze(0)
+
+
 @dataclass
 class CausalLMOutput:
     logits: Tensor  # (B, T, V), or (B, logits_to_keep, V)
@@ -171,7 +205,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None,
+        unpadded: Unpadded | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
@@ -181,9 +216,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, n_heads, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, n_kv, T, hd)
+        if unpadded is not None:  # packed (1, N) tokens: attention runs on the padded layout
+            q, k, v = unpadded.pad(q), unpadded.pad(k), unpadded.pad(v)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, n_kv, S, hd)
         out = attend(q, k, v, mask, is_causal=mask is None and past is None)  # (B, n_heads, T, hd)
+        if unpadded is not None:
+            out = unpadded.unpad(out)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
@@ -209,9 +248,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None,
+        unpadded: Unpadded | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, unpadded)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -237,11 +277,24 @@ class DecoderModel(nn.Module):
         position_ids: Tensor | None = None,  # (B, T)
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
+        unpadded: Unpadded | None = None,
     ) -> tuple[Tensor, KVCache | None]:
-        """Final-norm hidden states (B, T, hidden) and, if use_cache, the extended cache."""
+        """Final-norm hidden states (B, T, hidden) and, if use_cache, the extended cache.
+
+        With ``unpadded``, ``input_ids`` and ``position_ids`` are the packed (1, N) real tokens of a
+        (B, T) = (unpadded.batch, unpadded.width) batch; ``attention_mask`` and ``past_key_values``
+        keep their padded (B, ...) shapes, and the hidden states come back packed (1, N, hidden).
+        """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
+        if unpadded is not None:
+            if (b, t) != (1, unpadded.index.numel()):
+                raise ValueError(f"packed input_ids must be (1, {unpadded.index.numel()}), got {(b, t)}")
+            if position_ids is None or tuple(position_ids.shape) != (b, t) or attention_mask is None:
+                raise ValueError("a packed (unpadded) forward needs position_ids of the input's (1, N) shape "
+                                 "and the padded batch's attention_mask")
+            b, t = unpadded.batch, unpadded.width
         past_len = 0 if past_key_values is None else past_key_values.seq_len
         if past_key_values is not None and past_key_values.batch_size != b:
             raise ValueError(f"past_key_values has batch {past_key_values.batch_size} but input_ids has {b}")
@@ -254,7 +307,7 @@ class DecoderModel(nn.Module):
                 position_ids = torch.arange(past_len, past_len + t, device=input_ids.device).expand(b, t)
             else:  # left padding: real tokens get positions 0, 1, ... whatever the padding before them
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past_len:]
-        elif tuple(position_ids.shape) != (b, t):
+        elif unpadded is None and tuple(position_ids.shape) != (b, t):
             raise ValueError(f"position_ids must be (B, T) = ({b}, {t}), got {tuple(position_ids.shape)}")
 
         h = self.embed_tokens(input_ids)  # (B, T, hidden)
@@ -267,9 +320,9 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             past = None if past_key_values is None else (past_key_values.keys[i], past_key_values.values[i])
             if recompute:  # a shared prompt's keys and values (past) and the cache it returns work alike
-                h, (k, v) = checkpoint(layer, h, cos, sin, mask, past, use_reentrant=False)
+                h, (k, v) = checkpoint(layer, h, cos, sin, mask, past, unpadded, use_reentrant=False)
             else:
-                h, (k, v) = layer(h, cos, sin, mask, past)
+                h, (k, v) = layer(h, cos, sin, mask, past, unpadded)
             if use_cache:
                 keys.append(k)
                 values.append(v)
@@ -335,10 +388,12 @@ class CausalLM(nn.Module):
         use_cache: bool = False,
         return_hidden: bool = False,
         logits_to_keep: int = 0,
+        unpadded: Unpadded | None = None,
     ) -> CausalLMOutput:
         """Logits for every position (or only the last `logits_to_keep`, which saves the LM-head matmul
-        during generation), plus the new cache and final hidden states on request."""
-        h, cache = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        during generation), plus the new cache and final hidden states on request. ``unpadded``: a packed
+        (1, N) input of a padded batch (see `DecoderModel.forward`); the logits are then (1, N, V)."""
+        h, cache = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache, unpadded)
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         return CausalLMOutput(
             logits=logits, past_key_values=cache, hidden_states=h if return_hidden else None

@@ -58,8 +58,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-# Share prompts only where it saves at least this fraction of a forward's tokens: two forward calls and
-# the cache gather cost a little, which a small saving would not pay back.
+# Run prompts once and responses unpadded only where it saves at least this fraction of a forward's
+# tokens: two forward calls, the cache gather and attention's scatter cost a little, which a small
+# saving would not pay back.
 SHARED_PREFIX_MIN_SAVING = 0.25
 
 
@@ -71,12 +72,15 @@ def _prompt_keys(batch: Batch) -> torch.Tensor:
 
 
 def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(first, inverse)`` when the batch's distinct prompts are few enough to run each once, else None.
+    """``(first, inverse)`` when running each distinct prompt once and the responses unpadded saves
+    enough tokens, else None.
 
     ``first`` (U,) holds one row index per distinct prompt (its first row), ``inverse`` (B,) the
     position in ``first`` of each row's prompt. Rows share a prompt when their prompt columns
-    (ids and mask, left-padded) are equal. None when sharing saves less than
-    ``SHARED_PREFIX_MIN_SAVING`` of the tokens: ``U * Tp + B * (Tr - 1)`` against ``B * (Tp + Tr - 1)``.
+    (ids and mask, left-padded) are equal. The plan's forward costs ``U * Tp`` prompt tokens plus
+    one per real response token but each row's last; None when that saves less than
+    ``SHARED_PREFIX_MIN_SAVING`` of one padded forward's ``B * (Tp + Tr - 1)``. A saving comes from
+    shared prompts (GRPO's groups), from response padding (a long-tailed batch), or both.
     """
     ids = batch["input_ids"]
     b, tr = ids.shape[0], batch["response_mask"].shape[1]
@@ -85,7 +89,8 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     uniq, inverse = torch.unique(_prompt_keys(batch), dim=0, return_inverse=True)
     u = uniq.shape[0]
-    if u * tp + b * (tr - 1) > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
+    packed = int(batch["attention_mask"][:, tp + 1:].sum())  # response tokens that predict a next one
+    if u * tp + packed > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
         return None
     rows = torch.arange(b, device=ids.device)
     first = torch.full((u,), b, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, rows, reduce="amin")
@@ -93,25 +98,34 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
-                          inverse: torch.Tensor) -> torch.Tensor:
-    """Logits (B, Tr, V) that predict the response tokens, each distinct prompt run once.
+                          inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr).
 
     The U distinct prompts go through the model with ``use_cache``; the logits at their last
-    column predict response token 0. Their keys and values are repeated to the B rows
-    (``KVCache.select``, which autograd follows back to the prompts) and the response tokens
-    but the last run against them with the full mask, at the positions the whole row would
-    give them. The values equal one forward over the whole rows up to float rounding.
+    column predict response token 0 (M's first B rows, one per batch row). Their keys and values
+    are repeated to the B rows (``KVCache.select``, which autograd follows back to the prompts)
+    and the response tokens that predict a next real token run against them packed, without
+    padding (`Unpadded`: only attention sees the padded layout), at the positions the whole row
+    would give them. The values equal one forward over the whole rows up to float rounding.
     """
-    tp = ids.shape[1] - tr
+    from fuseflow.models.llama import Unpadded
+
+    b, tp = ids.shape[0], ids.shape[1] - tr
     pos = position_ids(mask)
     head = model(ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
                  use_cache=True, logits_to_keep=1)
-    logits0 = head.logits[inverse]  # (B, 1, V)
-    if tr == 1:
-        return logits0
-    rest = model(ids[:, tp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, tp:-1],
-                 past_key_values=head.past_key_values.select(inverse), logits_to_keep=tr - 1).logits
-    return torch.cat([logits0, rest], dim=1)
+    rows = torch.arange(b, device=ids.device)
+    logits, where = head.logits[inverse, 0], (rows, torch.zeros_like(rows))  # (B, V): response token 0
+    keep = mask[:, tp + 1:].bool()  # (B, Tr - 1): input j is packed when token j + 1 is real
+    if not keep.any():
+        return logits, where
+    unpad = Unpadded.from_mask(keep)
+    rest = model(ids[:, tp:-1].reshape(-1)[unpad.index][None],
+                 attention_mask=torch.cat([mask[:, :tp], keep.to(mask.dtype)], 1),
+                 position_ids=pos[:, tp:-1].reshape(-1)[unpad.index][None],
+                 past_key_values=head.past_key_values.select(inverse), unpadded=unpad).logits[0]  # (N, V)
+    where = (torch.cat([where[0], unpad.index // (tr - 1)]), torch.cat([where[1], unpad.index % (tr - 1) + 1]))
+    return torch.cat([logits, rest]), where
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,
@@ -127,30 +141,36 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     (no loss uses it): it is computed outside autograd, so its (B, Tr, V) intermediates are not
     kept for the backward pass.
 
-    ``share_prefix``: when the batch's rows share few distinct prompts (GRPO's groups), run each
-    prompt once and the responses against its cached keys and values (``shared_prompts``); the
-    model must be a plain decoder that takes ``past_key_values`` (not a pipeline stage, not
-    sharded: every rank would have to make the same choice).
+    ``share_prefix``: run each distinct prompt once and the responses against its cached keys and
+    values, unpadded (``shared_prompts`` decides whether it saves enough); positions past a row's
+    response then hold 0. The model must be a plain decoder that takes ``past_key_values`` and
+    ``unpadded`` (not a pipeline stage, not sharded: every rank would have to make the same choice).
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
+    targets = ids[:, -tr:]  # (B, Tr)
     plan = shared_prompts(batch) if share_prefix else None
-    if plan is not None:
-        logits = _shared_prefix_logits(model, ids, mask, tr, *plan).float()
+    where = None
+    if plan is not None:  # (M, V) at the real response positions ``where``
+        logits, where = _shared_prefix_logits(model, ids, mask, tr, *plan)
+        logits, targets = logits.float(), targets[where]
     else:
         logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
         logits = logits[:, -(tr + 1):-1].float()  # (B, Tr, V): the positions that predict the response
     if temperature != 1.0:
         logits = logits / temperature
-    targets = ids[:, -tr:]  # (B, Tr)
     logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        p = logp_all.exp()
-        entropy = -p.mul_(logp_all).sum(-1)
-    return logp, entropy
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            p = logp_all.exp()
+            entropy = -p.mul_(logp_all).sum(-1)
+    if where is not None:  # back to (B, Tr), zeros past each response
+        full = targets.new_zeros(ids.shape[0], tr, dtype=logp.dtype)
+        logp = full.index_put(where, logp)
+        entropy = None if entropy is None else full.index_put(where, entropy)
+    return logp if not with_entropy else (logp, entropy)
 
 
 def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, role: str) -> float:
