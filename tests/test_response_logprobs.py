@@ -269,3 +269,26 @@ def test_an_unpadded_forward_equals_the_padded_one_at_the_real_tokens():
     with pytest.raises(ValueError, match="packed"):
         model(resp.reshape(-1)[unpad.index][None], attention_mask=mask, past_key_values=head.past_key_values,
               unpadded=unpad)
+
+
+def test_training_microbatches_hold_few_prompts_each():
+    # A GRPO mini-batch of 16 rows from 4 prompts (3, 6, 3 and 4 rows, interleaved) in micro-batches of
+    # at most 8 rows: no prompt's rows are split between micro-batches (a cut in order of first
+    # appearance, 3 + 5 | 1 + 3 + 4, would run prompt 1 twice).
+    from fuseflow.controller.worker import DistInfo
+    from fuseflow.workers.common import _prompt_bins, train_microbatches
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 37, (6,), generator=g).tolist() for _ in range(4)]
+    order = [0, 1, 2, 3, 1, 0, 1, 3, 2, 1, 3, 0, 1, 2, 3, 1]
+    rows = [(prompts[p], [7] * (1 + i % 5)) for i, p in enumerate(order)]
+    batch = _batch(rows)
+    bins = _prompt_bins(batch, list(range(16)), 8)
+    assert sorted(r for b in bins for r in b) == list(range(16))
+    assert all(len(b) <= 8 for b in bins)
+    homes = {p: {i for i, b in enumerate(bins) if any(order[r] == p for r in b)} for p in range(4)}
+    assert all(len(h) == 1 for h in homes.values()), bins
+    assert _prompt_bins(batch, [1, 4, 6, 9, 12], 2) == [[1, 4], [6, 9], [12]]  # one group larger than a bin
+    worker = SimpleNamespace(dist=DistInfo())
+    mbs = train_microbatches(worker, batch, 4096, 8, by_prompt=True)
+    assert sum(len(mb) for mb in mbs) == 16 and all(len(mb) <= 8 for mb in mbs)

@@ -234,14 +234,30 @@ def match_peer_count(worker, chunks: list[list[int]]) -> list[list[int]]:
     return chunks
 
 
-def _by_prompt(batch: Batch, rows: list[int]) -> list[int]:
-    """``rows`` reordered so that rows with equal prompt columns are adjacent (stable: groups in order
-    of their first row, rows in their given order)."""
+def _prompt_bins(batch: Batch, rows: list[int], max_rows: int) -> list[list[int]]:
+    """``rows`` cut into groups of at most ``max_rows`` that each hold as few distinct prompts as they can.
+
+    Rows with equal prompt columns form a prompt group; groups go largest first into the first
+    bin with room (first-fit decreasing), a group larger than ``max_rows`` filling whole bins first.
+    Each bin runs its distinct prompts once (a shared-prefix forward), so fewer prompts per bin is
+    fewer prompt tokens. Rows keep their given order inside a group; bins come in creation order.
+    """
     keys = [tuple(r) for r in _prompt_keys(batch)[rows].tolist()]
-    first = {}
-    for i, k in enumerate(keys):
-        first.setdefault(k, i)
-    return [rows[i] for i in sorted(range(len(rows)), key=lambda i: (first[keys[i]], i))]
+    groups: dict[tuple, list[int]] = {}
+    for row, key in zip(rows, keys, strict=True):
+        groups.setdefault(key, []).append(row)
+    bins: list[list[int]] = []
+    for group in sorted(groups.values(), key=len, reverse=True):  # stable: equal sizes keep first-seen order
+        while len(group) >= max_rows:
+            bins.append(group[:max_rows])
+            group = group[max_rows:]
+        if group:
+            home = next((b for b in bins if len(b) + len(group) <= max_rows), None)
+            if home is None:
+                bins.append(list(group))
+            else:
+                home.extend(group)
+    return bins
 
 
 def train_microbatches(worker, mini: Batch, budget: int, max_rows: int, by_prompt: bool = False) -> list[Batch]:
@@ -252,11 +268,12 @@ def train_microbatches(worker, mini: Batch, budget: int, max_rows: int, by_promp
     rows are grouped changes the accumulated gradient only by float summation order. With FSDP
     every rank must run as many forwards/backwards as its peers (each one all-gathers and
     reduce-scatters), so ranks agree on the largest count and split their biggest groups to reach it.
-    ``by_prompt``: within a length group, rows that share a prompt go to the same micro-batch (in the
-    group's length order otherwise), so a shared-prefix forward runs fewer distinct prompts.
+    ``by_prompt``: within a length group, micro-batches are packed so that each holds as few
+    distinct prompts as it can (``_prompt_bins``), so a shared-prefix forward runs fewer prompts.
     """
     chunks = length_sorted_chunks(mini, budget)
     if by_prompt:
-        chunks = [_by_prompt(mini, c) for c in chunks]
-    chunks = [c[i : i + max_rows] for c in chunks for i in range(0, len(c), max_rows)]
+        chunks = [b for c in chunks for b in _prompt_bins(mini, c, max_rows)]
+    else:
+        chunks = [c[i : i + max_rows] for c in chunks for i in range(0, len(c), max_rows)]
     return [trim_padding(mini.select(c)) for c in match_peer_count(worker, chunks)]
