@@ -360,9 +360,9 @@ class ScheduleConfig(_Section):
     # Padded tokens (rows x widest row) per inference and training forward; rows are grouped by length
     # and trimmed, so a long-tailed batch wastes little compute on padding.
     token_budget: int = Field(4096, gt=0)
-    # Scoring and training forwards run each distinct prompt of a micro-batch once and its responses
-    # against the prompt's cached keys and values, where that saves at least a quarter of the tokens
-    # (GRPO's groups of samples per prompt; fuseflow.workers.common.shared_prompts).
+    # Scoring and training forwards run each distinct prompt of a micro-batch once and its responses,
+    # unpadded, against the prompt's cached keys and values, where that saves at least a quarter of the
+    # tokens (GRPO's groups, long-tailed responses; fuseflow.workers.common.shared_prompts).
     shared_prefix: bool = True
     rollout_workers: int = Field(1, ge=1)  # engines that generate side by side (one thread each); elastic's most
     # elastic: the cheapest replica count whose step is at most (1 + elastic_slowdown) x the fastest count's.
