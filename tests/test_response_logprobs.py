@@ -153,7 +153,7 @@ def test_shared_prompts_finds_the_groups_and_declines_a_small_saving():
     # Distinct prompts, but most response columns are padding: unpadding alone saves enough.
     tail = [([1, 2, 3][: i + 1], [5] * (24 if i == 0 else 2)) for i in range(3)]
     first, inverse = shared_prompts(_batch(tail))
-    assert first.tolist() != [] and sorted(inverse.tolist()) == [0, 1, 2]
+    assert first.tolist() == [0, 1, 2] and sorted(inverse.tolist()) == [0, 1, 2]
     # One shared 2-token prompt before long responses: 2 + 2 * 29 tokens against 2 * 31 saves too little.
     g = torch.Generator().manual_seed(0)
     rows = [([4, 5], torch.randint(1, 37, (30,), generator=g).tolist()) for _ in range(2)]
