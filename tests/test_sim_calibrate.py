@@ -153,3 +153,17 @@ def test_nelder_mead_finds_a_known_minimum():
     target = np.array([0.5, -2.0, 3.0, 1.5])
     x = nelder_mead(lambda x: float(np.sum((x - target) ** 2)), np.zeros(4), iters=2000, tol=1e-14)
     assert np.allclose(x, target, atol=1e-4)
+
+
+def test_rollout_logprobs_run_has_no_old_logprob_stage(tmp_path):
+    # algorithm.old_logprobs=rollout in a run's config: the prediction drops that forward, and only it.
+    fabricate(tmp_path)
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    rec = StepRecord(0, 128, 20.0, 6.0, 16, 0.0)
+    hw = get_hardware("cpu").with_efficiency(**TRUE)
+    recompute = predict_stages(load_run(tmp_path), rec, hw)
+    cfg["algorithm"]["old_logprobs"] = "rollout"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rollout = predict_stages(load_run(tmp_path), rec, hw)
+    assert recompute["old_logprob"] > 0 and "old_logprob" not in rollout
+    assert rollout == {k: v for k, v in recompute.items() if k != "old_logprob"}

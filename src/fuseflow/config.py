@@ -156,6 +156,12 @@ class AlgorithmConfig(_Section):
     # rollout engine (they differ when the rollout runs vLLM, or bf16 against an fp32 trainer).
     rollout_is: Literal["none", "tis"] = "none"
     rollout_is_cap: float = Field(2.0, gt=0.0)
+    # Where old_logprobs come from. recompute: a forward of the actor over the finished samples (verl's
+    # default; any rollout backend). rollout: the log-probs the engine sampled with (behavior_logprobs),
+    # saving that forward. They are the same numbers up to float rounding only where the engine decodes
+    # with the trainer's own weights and arithmetic, and the samples are of the current policy:
+    # rollout.backend=engine, a synchronous mode, fp32 (bf16 decoding is what rollout_is corrects).
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
     norm_by_std: bool = True
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"

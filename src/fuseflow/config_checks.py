@@ -20,6 +20,7 @@ SEQUENCE_LEVEL = ("grpo", "dr_grpo", "rloo", "remax", "dapo")
 def check_all(cfg: Config) -> None:
     """Every cross-section check, in the order a user meets them (schedule, placement, pipeline, batch)."""
     schedule_fits(cfg)
+    old_logprobs_fit(cfg)
     placement_fits(cfg)
     pipeline_fits(cfg)
     batch_fits(cfg)
@@ -42,6 +43,25 @@ def schedule_fits(cfg: Config) -> None:
     if s.asynchronous and cfg.algorithm.policy_loss != "decoupled":
         raise ValueError(f"schedule.mode={s.mode} trains on samples of an older policy; it needs "
                          f"algorithm.policy_loss=decoupled (got {cfg.algorithm.policy_loss})")
+
+
+def old_logprobs_fit(cfg: Config) -> None:
+    """algorithm.old_logprobs=rollout: the engine's sampling log-probs are the current policy's only when the
+    engine decodes with the trainer's weights and the samples are of this step's weights."""
+    a = cfg.algorithm
+    if a.old_logprobs != "rollout":
+        return
+    if cfg.rollout.backend != "engine":
+        raise ValueError(f"algorithm.old_logprobs=rollout takes the log-probs fuseflow's engine sampled with; "
+                         f"rollout.backend={cfg.rollout.backend} is not it: set rollout.backend=engine or "
+                         "algorithm.old_logprobs=recompute")
+    if cfg.schedule.asynchronous:
+        raise ValueError(f"algorithm.old_logprobs=rollout: schedule.mode={cfg.schedule.mode} trains on samples of an "
+                         "older policy, whose sampling log-probs are not the current policy's; use "
+                         "algorithm.old_logprobs=recompute or a synchronous mode")
+    if a.rollout_is != "none":
+        raise ValueError(f"algorithm.rollout_is={a.rollout_is} weighs tokens by pi_old / pi_behaviour, which is 1 "
+                         "when algorithm.old_logprobs=rollout; drop one of them")
 
 
 def rollout_pool_fits(cfg: Config, what: str) -> None:

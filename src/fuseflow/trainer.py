@@ -93,9 +93,10 @@ class RLTrainer:
         if resume:
             self.tracer.drop_after(self.start_step)
         # schedule.mode: when and where generation, inference and training run; the step below is the same.
-        self.stages = Stages(cfg, Roles(self.actor, self.reference, self.reward, self.critics, self.replicas),
-                             self.tokenizer,
-                             self.train_prompts, self.train_ids, self.stream, self.tracer, self.recipe)
+        roles = Roles(self.actor, self.reference, self.reward, self.critics, self.replicas,
+                      old_from_rollout=cfg.algorithm.old_logprobs == "rollout")
+        self.stages = Stages(cfg, roles, self.tokenizer, self.train_prompts, self.train_ids, self.stream,
+                             self.tracer, self.recipe)
         self.strategy = make_strategy(self.stages, self.resumed_from, self.start_step)
 
     # ----------------------------------------------------------------- set-up
@@ -229,9 +230,11 @@ class RLTrainer:
                "rollout/num_samples": float(len(batch)),
                "rollout/stop_frac": sum(r == "stop" for r in batch.meta["finish_reason"]) / len(batch),
                "kl/ref_k3": float(masked_mean(kl, mask))}
-        # Train/rollout mismatch: 0 on the engine in the trainer's dtype, visible on vLLM or bf16 rollouts.
-        mismatch = rollout_mismatch(batch["behavior_logprobs"], batch["old_logprobs"], mask)
-        out |= {f"rollout/{k}": v for k, v in mismatch.items()}
+        # Train/rollout mismatch: ~0 on the engine in the trainer's dtype, visible on vLLM or bf16 rollouts;
+        # not measured when the old log-probs are the rollout's own (algorithm.old_logprobs=rollout).
+        if not self.stages.roles.old_from_rollout:
+            mismatch = rollout_mismatch(batch["behavior_logprobs"], batch["old_logprobs"], mask)
+            out |= {f"rollout/{k}": v for k, v in mismatch.items()}
         if self.task.has_reward:  # a task scored by a reward model alone has no correct answer
             out["reward/accuracy"] = float(batch["correct"].mean())
         if "rm_scores" in batch:  # learned RM and the task function (hidden gold rule) side by side

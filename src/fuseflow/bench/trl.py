@@ -264,6 +264,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
                      "micro_batch_size": t.micro_batch_size, "max_prompt_len": cfg.model.max_prompt_len,
                      "max_response_len": cfg.model.max_response_len, "temperature": cfg.rollout.temperature,
                      "kl_coef": a.kl_coef, "lr": t.lr, "fuseflow_mode": cfg.schedule.mode,
+                     "fuseflow_old_logprobs": a.old_logprobs,
                      "fuseflow_rollout_workers": cfg.schedule.rollout_workers,
                      "fuseflow_rollout_backend": cfg.rollout.backend,
                      "fuseflow_shared_prefix": cfg.schedule.shared_prefix, "sft_steps_max": cfg.sft.max_steps,

@@ -68,11 +68,13 @@ class Roles:
     reward: WorkerGroup
     critics: list[WorkerGroup]
     rollout: Any = None  # backend=ray: the rollout replica processes (controller.replica.ReplicaSet); local: None
+    old_from_rollout: bool = False  # algorithm.old_logprobs=rollout: no old-log-prob stage (see Stages.assemble)
 
     @property
     def inference_stages(self) -> tuple[str, ...]:
         """Every stage that runs on finished samples before training, by name."""
-        return ("old_logprob", "reference", "reward", *(c.role for c in self.critics))
+        old = () if self.old_from_rollout else ("old_logprob",)
+        return (*old, "reference", "reward", *(c.role for c in self.critics))
 
 
 @dataclass
@@ -274,6 +276,8 @@ class Stages:
         for k, by_uid in gen.rows.items():
             if k not in per_sample:
                 batch[k] = scatter_rows([([i], by_uid[u].unsqueeze(0)) for i, u in enumerate(uids)], len(uids), width)
+        if self.roles.old_from_rollout:  # the engine's sampling log-probs, under this step's weights
+            batch["old_logprobs"] = batch["behavior_logprobs"].clone()
         metrics: dict[str, float] = {}
         if self.cfg.algorithm.overlong_buffer:
             metrics["reward/overlong_penalty"] = float(self.shaping(gen.samples).mean())

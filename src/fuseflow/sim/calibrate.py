@@ -74,6 +74,7 @@ class RunData:
     padded_prompts: bool = True  # the old sampler left-pads prompts; the rollout engine does not
     mode: RuntimeMode = field(default_factory=RuntimeMode)
     group_size: int = 1  # samples per prompt: rollout workers get whole groups
+    old_from_rollout: bool = False  # algorithm.old_logprobs=rollout: no old-log-prob forward
 
 
 def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
@@ -134,7 +135,7 @@ def load_run(run_dir: str | Path, need_trace: bool = True) -> RunData:
     return RunData(model, algo.get("name", "grpo"), int(trainer.get("mini_batch_size", 1 << 30)),
                    int(trainer.get("micro_batch_size", 1 << 30)), int(trainer.get("epochs", 1)), steps,
                    int(budget) if budget else None, backend != "engine", mode,
-                   int(algo.get("group_size", 1)))  # fmt: skip
+                   int(algo.get("group_size", 1)), algo.get("old_logprobs") == "rollout")  # fmt: skip
 
 
 def _stage_seconds(tracks: dict[tuple[str, int], float]) -> dict[str, float]:
@@ -285,6 +286,8 @@ def price_stages(run: RunData, shapes: StepShapes, hw: HardwareSpec) -> dict[str
         "actor_update": train_cost(m, hw, lay, s.train_seq, s.mini, run.epochs, s.train_mb).seconds,
         "weight_sync": 0.0,  # the CPU sampler shares the trainer's weights: nothing moves
     }
+    if run.old_from_rollout:  # the rollout's own log-probs: the stage does not run
+        del out["old_logprob"]
     if run.algorithm == "ppo":
         value = m.as_value_model()
         out["values"] = infer_cost(value, hw, lay, s.seq, s.mb_tokens).seconds
