@@ -176,9 +176,18 @@ def test_shared_prefix_logprobs_entropy_and_grads_equal_the_unpadded_rows(varian
     _matches_naive(model, rows, 0.7, share_prefix=True)
 
 
+def test_shared_prefix_with_one_token_responses_equals_the_unpadded_rows():
+    # Every response a single token: only the prompts' last positions give logits (no packed response).
+    from fuseflow.workers.common import shared_prompts
+
+    rows = [(p, r[:1]) for p, r in _grouped_rows()]
+    assert shared_prompts(_batch(rows)) is not None
+    _matches_naive(_model(), rows, 1.0, share_prefix=True)
+
+
 def test_shared_prefix_runs_each_prompt_once_and_no_response_padding():
     # The saving is real: the prompt tokens go through the decoder once per distinct prompt, and of the
-    # responses only the tokens that predict a next real token, with no padding.
+    # responses only the tokens that predict a next real token, with no padding anywhere.
     rows, model = _grouped_rows(), _model()
     batch = _batch(rows)
     seen = []
@@ -188,7 +197,8 @@ def test_shared_prefix_runs_each_prompt_once_and_no_response_padding():
         response_logprobs(model, batch, 1.0, share_prefix=True)
     tp, tr = max(PROMPT_LENS), max(r for _, r in GROUPED)
     assert seen[0] == len(rows) * (tp + tr)  # one forward over every padded row
-    assert seen[1:] == [3 * tp, sum(r - 1 for _, r in GROUPED)]  # three prompts, then each response but its last
+    # One forward: the three prompts' real tokens, then each response's but its last.
+    assert seen[1:] == [sum(PROMPT_LENS) + sum(r - 1 for _, r in GROUPED)]
 
 
 def test_the_actor_shares_prompts_in_scoring_and_training_with_the_same_result(tmp_path):

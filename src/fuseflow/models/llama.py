@@ -70,6 +70,10 @@ class Unpadded:
     index: Tensor  # (N,) flat positions in batch * width
     batch: int
     width: int
+    # (batch * width,) for each padded position, the packed token whose key and value it holds, N for
+    # none; None: each token's own position (``index``). A token may serve several rows (a prompt
+    # shared by a group): its query sits at one position, its key and value at every row's.
+    source: Tensor | None = None
 
     @classmethod
     def from_mask(cls, mask: Tensor) -> Unpadded:
@@ -83,6 +87,14 @@ class Unpadded:
         flat = x[0].transpose(0, 1)  # (N, heads, d)
         out = flat.new_zeros(self.batch * self.width, h, d).index_copy(0, self.index, flat)
         return out.view(self.batch, self.width, h, d).transpose(1, 2)
+
+    def pad_kv(self, x: Tensor) -> Tensor:
+        """Keys or values (1, heads, N, d) -> (batch, heads, width, d) at every position that reads them."""
+        if self.source is None:
+            return self.pad(x)
+        h, d = x.shape[1], x.shape[3]
+        flat = torch.cat([x[0].transpose(0, 1), x.new_zeros(1, h, d)])  # (N + 1, heads, d): row N is zeros
+        return flat.index_select(0, self.source).view(self.batch, self.width, h, d).transpose(1, 2)
 
     def unpad(self, x: Tensor) -> Tensor:
         """(batch, heads, width, d) -> (1, heads, N, d): the real positions only."""
@@ -217,7 +229,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, n_heads, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, n_kv, T, hd)
         if unpadded is not None:  # packed (1, N) tokens: attention runs on the padded layout
-            q, k, v = unpadded.pad(q), unpadded.pad(k), unpadded.pad(v)
+            q, k, v = unpadded.pad(q), unpadded.pad_kv(k), unpadded.pad_kv(v)
         if past is not None:
             k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, n_kv, S, hd)
         out = attend(q, k, v, mask, is_causal=mask is None and past is None)  # (B, n_heads, T, hd)
@@ -387,14 +399,18 @@ class CausalLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
         return_hidden: bool = False,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
         unpadded: Unpadded | None = None,
     ) -> CausalLMOutput:
         """Logits for every position (or only the last `logits_to_keep`, which saves the LM-head matmul
-        during generation), plus the new cache and final hidden states on request. ``unpadded``: a packed
-        (1, N) input of a padded batch (see `DecoderModel.forward`); the logits are then (1, N, V)."""
+        during generation; a 1-D tensor keeps those positions, as in transformers), plus the new cache
+        and final hidden states on request. ``unpadded``: a packed (1, N) input of a padded batch (see
+        `DecoderModel.forward`); the logits are then (1, N, V)."""
         h, cache = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache, unpadded)
-        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
+        if isinstance(logits_to_keep, Tensor):
+            logits = self.lm_head(h[:, logits_to_keep])
+        else:
+            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         return CausalLMOutput(
             logits=logits, past_key_values=cache, hidden_states=h if return_hidden else None
         )

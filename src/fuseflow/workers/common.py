@@ -101,31 +101,42 @@ def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int,
                           inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr).
 
-    The U distinct prompts go through the model with ``use_cache``; the logits at their last
-    column predict response token 0 (M's first B rows, one per batch row). Their keys and values
-    are repeated to the B rows (``KVCache.select``, which autograd follows back to the prompts)
-    and the response tokens that predict a next real token run against them packed, without
-    padding (`Unpadded`: only attention sees the padded layout), at the positions the whole row
-    would give them. The values equal one forward over the whole rows up to float rounding.
+    One forward over packed tokens, without padding (`Unpadded`): the real tokens of the U distinct
+    prompts, then the response tokens that predict a next real token. Only attention sees a padded
+    (B, Tp + Tr - 1) layout, in which every row reads its prompt's keys and values (the prompt's
+    queries sit on its first row; autograd sums the rows' gradients back to the one prompt) and
+    its own response's, at the positions the whole row would give them. The logits at a prompt's
+    last token predict response token 0 (M's first B rows, one per batch row). The values equal one
+    forward over the whole rows up to float rounding.
     """
     from fuseflow.models.llama import Unpadded
 
     b, tp = ids.shape[0], ids.shape[1] - tr
+    u, w, dev = first.shape[0], tp + tr - 1, ids.device
     pos = position_ids(mask)
-    head = model(ids[first, :tp], attention_mask=mask[first, :tp], position_ids=pos[first, :tp],
-                 use_cache=True, logits_to_keep=1)
-    rows = torch.arange(b, device=ids.device)
-    logits, where = head.logits[inverse, 0], (rows, torch.zeros_like(rows))  # (B, V): response token 0
     keep = mask[:, tp + 1:].bool()  # (B, Tr - 1): input j is packed when token j + 1 is real
-    if not keep.any():
-        return logits, where
-    unpad = Unpadded.from_mask(keep)
-    rest = model(ids[:, tp:-1].reshape(-1)[unpad.index][None],
-                 attention_mask=torch.cat([mask[:, :tp], keep.to(mask.dtype)], 1),
-                 position_ids=pos[:, tp:-1].reshape(-1)[unpad.index][None],
-                 past_key_values=head.past_key_values.select(inverse), unpadded=unpad).logits[0]  # (N, V)
-    where = (torch.cat([where[0], unpad.index // (tr - 1)]), torch.cat([where[1], unpad.index % (tr - 1) + 1]))
-    return torch.cat([logits, rest]), where
+    p_at = mask[first, :tp].reshape(-1).nonzero().squeeze(1)  # real prompt tokens, in (U, Tp)
+    r_at = keep.reshape(-1).nonzero().squeeze(1)  # packed response inputs, in (B, Tr - 1)
+    n_p, n = p_at.numel(), p_at.numel() + r_at.numel()
+    tokens = torch.cat([ids[first, :tp].reshape(-1)[p_at], ids[:, tp:-1].reshape(-1)[r_at]])
+    positions = torch.cat([pos[first, :tp].reshape(-1)[p_at], pos[:, tp:-1].reshape(-1)[r_at]])
+    row, col = r_at // max(tr - 1, 1), r_at % max(tr - 1, 1)
+    # Each packed token's query position in the (B, W) layout: a prompt's on its first row.
+    index = torch.cat([first[p_at // tp] * w + p_at % tp, row * w + tp + col])
+    # Each (row, column)'s key/value source: its prompt's token, its own response input, or none (n).
+    p_slot = torch.full((u * tp,), n, dtype=torch.long, device=dev)
+    p_slot[p_at] = torch.arange(n_p, device=dev)
+    r_slot = torch.full((b * (tr - 1),), n, dtype=torch.long, device=dev)
+    r_slot[r_at] = torch.arange(n_p, n, device=dev)
+    p_slot = p_slot.view(u, tp)
+    source = torch.cat([p_slot[inverse], r_slot.view(b, tr - 1)], 1).reshape(-1)
+    # Left-padded prompts end in a real token: the last prompt column predicts response token 0.
+    wanted = torch.cat([p_slot[inverse, -1], torch.arange(n_p, n, device=dev)])
+    logits = model(tokens[None], attention_mask=torch.cat([mask[:, :tp], keep.to(mask.dtype)], 1),
+                   position_ids=positions[None], unpadded=Unpadded(index, b, w, source),
+                   logits_to_keep=wanted).logits[0]  # (B + N_r, V)
+    rows = torch.arange(b, device=dev)
+    return logits, (torch.cat([rows, row]), torch.cat([torch.zeros_like(rows), col + 1]))
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,
@@ -141,10 +152,10 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     (no loss uses it): it is computed outside autograd, so its (B, Tr, V) intermediates are not
     kept for the backward pass.
 
-    ``share_prefix``: run each distinct prompt once and the responses against its cached keys and
-    values, unpadded (``shared_prompts`` decides whether it saves enough); positions past a row's
-    response then hold 0. The model must be a plain decoder that takes ``past_key_values`` and
-    ``unpadded`` (not a pipeline stage, not sharded: every rank would have to make the same choice).
+    ``share_prefix``: one packed forward over each distinct prompt once and the responses, without
+    padding (``shared_prompts`` decides whether it saves enough); positions past a row's response
+    then hold 0. The model must be a plain decoder that takes ``unpadded`` (not a pipeline stage,
+    not sharded: every rank would have to make the same choice).
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
