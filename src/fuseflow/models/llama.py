@@ -70,10 +70,6 @@ class Unpadded:
     index: Tensor  # (N,) flat positions in batch * width
     batch: int
     width: int
-    # (batch * width,) for each padded position, the packed token whose key and value it holds, N for
-    # none; None: each token's own position (``index``). A token may serve several rows (a prompt
-    # shared by a group): its query sits at one position, its key and value at every row's.
-    source: Tensor | None = None
 
     @classmethod
     def from_mask(cls, mask: Tensor) -> Unpadded:
@@ -88,19 +84,78 @@ class Unpadded:
         out = flat.new_zeros(self.batch * self.width, h, d).index_copy(0, self.index, flat)
         return out.view(self.batch, self.width, h, d).transpose(1, 2)
 
-    def pad_kv(self, x: Tensor) -> Tensor:
-        """Keys or values (1, heads, N, d) -> (batch, heads, width, d) at every position that reads them."""
-        if self.source is None:
-            return self.pad(x)
-        h, d = x.shape[1], x.shape[3]
-        flat = torch.cat([x[0].transpose(0, 1), x.new_zeros(1, h, d)])  # (N + 1, heads, d): row N is zeros
-        return flat.index_select(0, self.source).view(self.batch, self.width, h, d).transpose(1, 2)
-
     def unpad(self, x: Tensor) -> Tensor:
         """(batch, heads, width, d) -> (1, heads, N, d): the real positions only."""
         h, d = x.shape[1], x.shape[3]
         flat = x.transpose(1, 2).reshape(self.batch * self.width, h, d).index_select(0, self.index)
         return flat.transpose(0, 1).unsqueeze(0)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                  past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention of packed q (1, H, N, hd), k, v (1, H_kv, N, hd) on the padded layout, behind ``past``:
+        the packed output and the padded keys and values (past included)."""
+        q, k, v = self.pad(q), self.pad(k), self.pad(v)
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
+        return self.unpad(attend(q, k, v, mask, is_causal=False)), k, v
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A packed ``(1, N)`` input of U distinct prompts' real tokens, then B responses' tokens.
+
+    Row ``i`` of the padded ``(B, Tp + Tr)`` batch is prompt ``inverse[i]`` followed by its response;
+    the packed input holds each prompt once (``prompt``: its (U, Tp) layout) and the responses
+    (``response``: their (B, Tr) layout). Attention runs in two parts: each prompt causally on
+    itself, and each response against its prompt's keys and values (repeated to the rows, which
+    autograd sums back to the one prompt) and its own, at the positions the whole row gives them;
+    every other op sees N real tokens. ``batch`` and ``width`` are the whole rows' layout, whose
+    ``attention_mask`` the forward takes. Build it with ``from_masks``.
+    """
+
+    prompt: Unpadded
+    response: Unpadded
+    inverse: Tensor  # (B,) each row's prompt
+    prompt_mask: Tensor  # (U, 1, Tp, Tp) SDPA mask of the prompts
+    response_mask: Tensor  # (B, 1, Tr, Tp + Tr) SDPA mask of the responses
+
+    @classmethod
+    def from_masks(cls, prompt_mask: Tensor, response_mask: Tensor, inverse: Tensor) -> SharedPrefix:
+        """From the (U, Tp) masks of the distinct prompts (left-padded), the (B, Tr) masks of the
+        responses and the (B,) prompt of each row."""
+        tp, tr = prompt_mask.shape[1], response_mask.shape[1]
+        rows = torch.cat([prompt_mask[inverse], response_mask.to(prompt_mask.dtype)], 1)
+        return cls(Unpadded.from_mask(prompt_mask), Unpadded.from_mask(response_mask), inverse,
+                   build_attention_mask(prompt_mask, tp, 0), build_attention_mask(rows, tr, tp))
+
+    @property
+    def index(self) -> Tensor:
+        """(N,) one entry per packed token (its size is what the forward checks)."""
+        return torch.cat([self.prompt.index, self.response.index])
+
+    @property
+    def batch(self) -> int:
+        return self.response.batch
+
+    @property
+    def width(self) -> int:
+        return self.prompt.width + self.response.width
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                  past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """As `Unpadded.attention` (``mask`` is unused: the layout holds its own; no ``past``)."""
+        if past is not None:
+            raise ValueError("a SharedPrefix forward takes no past_key_values")
+        n = self.prompt.index.numel()
+        kp, vp = self.prompt.pad(k[:, :, :n]), self.prompt.pad(v[:, :, :n])  # (U, H_kv, Tp, hd)
+        out = self.prompt.unpad(attend(self.prompt.pad(q[:, :, :n]), kp, vp, self.prompt_mask, is_causal=False))
+        k_rows, v_rows = kp.index_select(0, self.inverse), vp.index_select(0, self.inverse)  # (B, H_kv, Tp, hd)
+        if self.response.index.numel():
+            r = self.response
+            k_rows = torch.cat((k_rows, r.pad(k[:, :, n:])), dim=2)
+            v_rows = torch.cat((v_rows, r.pad(v[:, :, n:])), dim=2)
+            out = torch.cat((out, r.unpad(attend(r.pad(q[:, :, n:]), k_rows, v_rows, self.response_mask, False))), 2)
+        return out, k_rows, v_rows
 
 
 @dataclass
@@ -218,7 +273,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None,
-        unpadded: Unpadded | None = None,
+        unpadded: Unpadded | SharedPrefix | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
@@ -229,12 +284,11 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, n_heads, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, n_kv, T, hd)
         if unpadded is not None:  # packed (1, N) tokens: attention runs on the padded layout
-            q, k, v = unpadded.pad(q), unpadded.pad_kv(k), unpadded.pad_kv(v)
-        if past is not None:
-            k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, n_kv, S, hd)
-        out = attend(q, k, v, mask, is_causal=mask is None and past is None)  # (B, n_heads, T, hd)
-        if unpadded is not None:
-            out = unpadded.unpad(out)
+            out, k, v = unpadded.attention(q, k, v, mask, past)
+        else:
+            if past is not None:
+                k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)  # (B, n_kv, S, hd)
+            out = attend(q, k, v, mask, is_causal=mask is None and past is None)  # (B, n_heads, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
@@ -261,7 +315,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, past: tuple[Tensor, Tensor] | None,
-        unpadded: Unpadded | None = None,
+        unpadded: Unpadded | SharedPrefix | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, unpadded)
         x = x + attn
@@ -289,7 +343,7 @@ class DecoderModel(nn.Module):
         position_ids: Tensor | None = None,  # (B, T)
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
-        unpadded: Unpadded | None = None,
+        unpadded: Unpadded | SharedPrefix | None = None,
     ) -> tuple[Tensor, KVCache | None]:
         """Final-norm hidden states (B, T, hidden) and, if use_cache, the extended cache.
 
@@ -324,7 +378,8 @@ class DecoderModel(nn.Module):
 
         h = self.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config, h.device), h.dtype)
-        mask = build_attention_mask(attention_mask, t, past_len)
+        # A SharedPrefix layout holds its own masks.
+        mask = None if isinstance(unpadded, SharedPrefix) else build_attention_mask(attention_mask, t, past_len)
         if mask is not None and t == 1 and (attention_mask is None or bool(attention_mask.all())):
             mask = None  # single query and every key is real: causal order needs no mask
         keys, values = [], []
@@ -400,7 +455,7 @@ class CausalLM(nn.Module):
         use_cache: bool = False,
         return_hidden: bool = False,
         logits_to_keep: int | Tensor = 0,
-        unpadded: Unpadded | None = None,
+        unpadded: Unpadded | SharedPrefix | None = None,
     ) -> CausalLMOutput:
         """Logits for every position (or only the last `logits_to_keep`, which saves the LM-head matmul
         during generation; a 1-D tensor keeps those positions, as in transformers), plus the new cache

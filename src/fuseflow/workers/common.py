@@ -101,42 +101,31 @@ def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int,
                           inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr).
 
-    One forward over packed tokens, without padding (`Unpadded`): the real tokens of the U distinct
-    prompts, then the response tokens that predict a next real token. Only attention sees a padded
-    (B, Tp + Tr - 1) layout, in which every row reads its prompt's keys and values (the prompt's
-    queries sit on its first row; autograd sums the rows' gradients back to the one prompt) and
-    its own response's, at the positions the whole row would give them. The logits at a prompt's
-    last token predict response token 0 (M's first B rows, one per batch row). The values equal one
-    forward over the whole rows up to float rounding.
+    One forward over packed tokens, without padding (`SharedPrefix`): the real tokens of the U
+    distinct prompts, then the response tokens that predict a next real token. Only attention sees
+    padded layouts: each prompt attends to itself, each response to its prompt's keys and values
+    (autograd sums the rows' gradients back to the one prompt) and its own, at the positions the
+    whole row would give them. The logits at a prompt's last token predict response token 0 (M's
+    first B rows, one per batch row). The values equal one forward over the whole rows up to float
+    rounding.
     """
-    from fuseflow.models.llama import Unpadded
+    from fuseflow.models.llama import SharedPrefix
 
-    b, tp = ids.shape[0], ids.shape[1] - tr
-    u, w, dev = first.shape[0], tp + tr - 1, ids.device
+    tp, dev = ids.shape[1] - tr, ids.device
     pos = position_ids(mask)
-    keep = mask[:, tp + 1:].bool()  # (B, Tr - 1): input j is packed when token j + 1 is real
-    p_at = mask[first, :tp].reshape(-1).nonzero().squeeze(1)  # real prompt tokens, in (U, Tp)
-    r_at = keep.reshape(-1).nonzero().squeeze(1)  # packed response inputs, in (B, Tr - 1)
-    n_p, n = p_at.numel(), p_at.numel() + r_at.numel()
+    keep = mask[:, tp + 1:]  # (B, Tr - 1): input j is packed when token j + 1 is real
+    layout = SharedPrefix.from_masks(mask[first, :tp], keep, inverse)
+    p_at, r_at = layout.prompt.index, layout.response.index
     tokens = torch.cat([ids[first, :tp].reshape(-1)[p_at], ids[:, tp:-1].reshape(-1)[r_at]])
     positions = torch.cat([pos[first, :tp].reshape(-1)[p_at], pos[:, tp:-1].reshape(-1)[r_at]])
-    row, col = r_at // max(tr - 1, 1), r_at % max(tr - 1, 1)
-    # Each packed token's query position in the (B, W) layout: a prompt's on its first row.
-    index = torch.cat([first[p_at // tp] * w + p_at % tp, row * w + tp + col])
-    # Each (row, column)'s key/value source: its prompt's token, its own response input, or none (n).
-    p_slot = torch.full((u * tp,), n, dtype=torch.long, device=dev)
-    p_slot[p_at] = torch.arange(n_p, device=dev)
-    r_slot = torch.full((b * (tr - 1),), n, dtype=torch.long, device=dev)
-    r_slot[r_at] = torch.arange(n_p, n, device=dev)
-    p_slot = p_slot.view(u, tp)
-    source = torch.cat([p_slot[inverse], r_slot.view(b, tr - 1)], 1).reshape(-1)
-    # Left-padded prompts end in a real token: the last prompt column predicts response token 0.
-    wanted = torch.cat([p_slot[inverse, -1], torch.arange(n_p, n, device=dev)])
-    logits = model(tokens[None], attention_mask=torch.cat([mask[:, :tp], keep.to(mask.dtype)], 1),
-                   position_ids=positions[None], unpadded=Unpadded(index, b, w, source),
-                   logits_to_keep=wanted).logits[0]  # (B + N_r, V)
-    rows = torch.arange(b, device=dev)
-    return logits, (torch.cat([rows, row]), torch.cat([torch.zeros_like(rows), col + 1]))
+    # Left-padded prompts end in a real token: each prompt's last packed token predicts response token 0.
+    last = mask[first, :tp].sum(1).cumsum(0) - 1  # (U,)
+    n_p = p_at.numel()
+    wanted = torch.cat([last[inverse], torch.arange(n_p, n_p + r_at.numel(), device=dev)])
+    logits = model(tokens[None], attention_mask=torch.cat([mask[:, :tp], keep], 1), position_ids=positions[None],
+                   unpadded=layout, logits_to_keep=wanted).logits[0]  # (B + N_r, V)
+    rows, width = torch.arange(ids.shape[0], device=dev), max(tr - 1, 1)
+    return logits, (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,
