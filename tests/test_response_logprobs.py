@@ -302,3 +302,83 @@ def test_training_microbatches_hold_few_prompts_each():
     worker = SimpleNamespace(dist=DistInfo())
     mbs = train_microbatches(worker, batch, 4096, 8, by_prompt=True)
     assert sum(len(mb) for mb in mbs) == 16 and all(len(mb) <= 8 for mb in mbs)
+
+
+def _value_model(vocab=37):
+    from fuseflow.models import ValueModel
+
+    vm = ValueModel.from_causal_lm(_model(vocab))
+    with torch.no_grad():  # a zero head would make every value 0 and every backbone gradient 0
+        vm.value_head.weight.normal_(0, 0.5)
+        vm.value_head.bias.fill_(0.1)
+    return vm
+
+
+@pytest.mark.parametrize("rows", ["grouped", "distinct"])
+def test_critic_values_and_grads_equal_the_unpadded_rows_with_and_without_sharing(rows):
+    # The critic's packed forward (shared prompts once, responses unpadded) against each row alone:
+    # V before every response token, and the gradient of a weighted sum of them.
+    from fuseflow.workers.common import response_values, shared_prompts
+
+    rows = _grouped_rows() if rows == "grouped" else _rows()
+    batch = _batch(rows)
+    mask = batch["response_mask"].bool()
+    weights = torch.linspace(-1.0, 2.0, int(mask.sum()))
+    vm = _value_model()
+    naive = []
+    for prompt, response in rows:  # position t holds V of the state before token t + 1
+        naive.append(vm(torch.tensor([prompt + response]))[0, len(prompt) - 1: len(prompt) + len(response) - 1])
+    torch.cat(naive).mul(weights).sum().backward()
+    want = _grads(vm)
+    for share in (False, True):
+        vm.zero_grad(set_to_none=True)
+        values = response_values(vm, batch, share_prefix=share)
+        assert values.shape == mask.shape and values.dtype == torch.float32
+        (values[mask] * weights).sum().backward()
+        for i, v in enumerate(naive):
+            torch.testing.assert_close(values[i, :len(v)], v.detach(), rtol=1e-5, atol=1e-5)
+        got = _grads(vm)
+        assert set(got) == set(want) and "value_head.weight" in got and len(got) > 10
+        for name in want:  # to float rounding, relative to the largest entry (the head's weights make them large)
+            err = float((got[name] - want[name]).abs().max())
+            assert err <= 1e-5 * float(want[name].abs().max()) + 1e-7, (name, err)
+        if share and shared_prompts(batch) is not None:
+            assert not values[~mask].any()  # nothing is computed past a response
+    assert (shared_prompts(batch) is not None) == (len(rows) == len(GROUPED))  # both paths ran
+
+
+def test_the_critic_shares_prompts_in_scoring_and_training_with_the_same_result(tmp_path):
+    # schedule.shared_prefix reaches the critic's values and its update: fewer tokens through the
+    # decoder, the same values (at real tokens), loss and gradient norm.
+    from fuseflow.config import load_config
+    from fuseflow.controller.worker import DistInfo
+    from fuseflow.data.tokenizer import load_tokenizer
+    from fuseflow.tasks import make_task
+    from fuseflow.workers.build import RoleContext, build_critic
+
+    vocab = len(load_tokenizer(None))
+    CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=vocab), seed=0).save_pretrained(tmp_path / "m")
+    rows = _grouped_rows(vocab=min(vocab, 37))
+    out = {}
+    for share in (False, True):
+        cfg = load_config("default", ["task.train_size=16", "task.eval_size=4", "algorithm.name=ppo",
+                                      "trainer.mini_batch_size=8", "trainer.micro_batch_size=8",
+                                      f"schedule.shared_prefix={str(share).lower()}"])
+        critic = build_critic(RoleContext(cfg, tmp_path / "m", None, make_task(cfg.task)), DistInfo())
+        with torch.no_grad():
+            critic.model.value_head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+        tokens = []
+        critic.model.model.embed_tokens.register_forward_hook(lambda m, i, o, tokens=tokens: tokens.append(i[0].numel()))
+        batch = _batch(rows)
+        mask = batch["response_mask"]
+        values = critic.compute_values(batch)
+        batch["values"] = values
+        batch["returns"] = torch.linspace(-1, 1, len(rows))[:, None] * mask
+        metrics = critic.update(batch, 1e-3, seed=0)
+        out[share] = (values, metrics, sum(tokens))
+    (v0, m0, t0), (v1, m1, t1) = out[False], out[True]
+    assert t1 < 0.8 * t0, (t0, t1)
+    real = mask.bool()
+    torch.testing.assert_close(v1[real], v0[real], rtol=1e-5, atol=1e-5)
+    for key in ("critic/loss", "critic/grad_norm"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-4, abs=1e-6), key

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from fuseflow.models import hf_io
 from fuseflow.models.config import ModelConfig
-from fuseflow.models.llama import CausalLM, DecoderModel, init_weights
+from fuseflow.models.llama import CausalLM, DecoderModel, SharedPrefix, Unpadded, init_weights
 
 VALUE_ARCHITECTURE = "FuseflowValueModel"
 
@@ -39,9 +39,17 @@ class ValueModel(nn.Module):
         input_ids: Tensor,  # (B, T)
         attention_mask: Tensor | None = None,  # (B, T), 1 = real token; left padding allowed
         position_ids: Tensor | None = None,  # (B, T)
+        unpadded: Unpadded | SharedPrefix | None = None,
+        values_to_keep: Tensor | None = None,  # (M,) positions of T whose values are wanted
     ) -> Tensor:
-        """Values (B, T) in fp32 (losses and GAE want full precision even when the model runs in bf16)."""
-        h, _ = self.model(input_ids, attention_mask, position_ids)
+        """Values (B, T) in fp32 (losses and GAE want full precision even when the model runs in bf16).
+
+        ``unpadded``: a packed (1, N) input of a padded batch (see `DecoderModel.forward`);
+        ``values_to_keep``: only those positions go through the head, giving (B, M).
+        """
+        h, _ = self.model(input_ids, attention_mask, position_ids, unpadded=unpadded)
+        if values_to_keep is not None:
+            h = h[:, values_to_keep]
         return self.value_head(h).squeeze(-1).float()
 
     def zero_head(self) -> None:

@@ -20,6 +20,7 @@ from .common import (
     mean_metrics,
     response_logprobs,
     set_lr,
+    shares_prefix,
     sorted_inference,
     train_microbatches,
 )
@@ -56,9 +57,8 @@ class ReferenceWorker(Worker):
 
     @property
     def shares_prefix(self) -> bool:
-        """Whether this worker's forwards share prompts: on by config, and never for a sharded model,
-        whose ranks must all run the same forwards while their batches differ."""
-        return self.share_prefix and not getattr(self, "sharded", False)
+        """Whether this worker's forwards share prompts (``common.shares_prefix``)."""
+        return shares_prefix(self)
 
     @register("rank_zero")
     def evaluate(self) -> dict[str, float]:

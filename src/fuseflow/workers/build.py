@@ -187,7 +187,7 @@ def build_critic(ctx: RoleContext, dist: DistInfo, name: str = "critic", prefix:
              else ValueModel.from_causal_lm(CausalLM.from_pretrained(ctx.ref_dir))).to(device)
     worker = CriticWorker(_shard(plain, device, dist), device, dtype, cfg.algorithm, cfg.trainer,
                           cfg.model.max_response_len, prefix, name, plain=plain)
-    worker.token_budget = cfg.schedule.token_budget
+    _batching(worker, cfg)
     _load_optimizer(worker, ctx.ckpt)
     return worker
 

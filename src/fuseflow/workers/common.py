@@ -97,17 +97,18 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     return first, inverse
 
 
-def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
-                          inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr).
+def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor, inverse: torch.Tensor):
+    """Keyword arguments of one packed forward over the real tokens, and the ``(row, column)`` in (B, Tr)
+    of each kept position's output.
 
-    One forward over packed tokens, without padding (`SharedPrefix`): the real tokens of the U
-    distinct prompts, then the response tokens that predict a next real token. Only attention sees
-    padded layouts: each prompt attends to itself, each response to its prompt's keys and values
-    (autograd sums the rows' gradients back to the one prompt) and its own, at the positions the
-    whole row would give them. The logits at a prompt's last token predict response token 0 (M's
-    first B rows, one per batch row). The values equal one forward over the whole rows up to float
-    rounding.
+    The packed (1, N) tokens are the real tokens of the U distinct prompts, then the response tokens
+    that predict a next real token (`SharedPrefix`, without padding). Only attention sees padded
+    layouts: each prompt attends to itself, each response to its prompt's keys and values (autograd
+    sums the rows' gradients back to the one prompt) and its own, at the positions the whole row
+    would give them. The kept positions (``wanted``, M of them) are each row's prompt's last token
+    (it predicts response token 0, and its state is the one before it: M's first B entries, one per
+    batch row), then every packed response token. Outputs there equal one forward over the whole
+    rows up to float rounding.
     """
     from fuseflow.models.llama import SharedPrefix
 
@@ -122,10 +123,43 @@ def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int,
     last = mask[first, :tp].sum(1).cumsum(0) - 1  # (U,)
     n_p = p_at.numel()
     wanted = torch.cat([last[inverse], torch.arange(n_p, n_p + r_at.numel(), device=dev)])
-    logits = model(tokens[None], attention_mask=torch.cat([mask[:, :tp], keep], 1), position_ids=positions[None],
-                   unpadded=layout, logits_to_keep=wanted).logits[0]  # (B + N_r, V)
     rows, width = torch.arange(ids.shape[0], device=dev), max(tr - 1, 1)
-    return logits, (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
+    where = (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
+    inputs = {"input_ids": tokens[None], "attention_mask": torch.cat([mask[:, :tp], keep], 1),
+              "position_ids": positions[None], "unpadded": layout}
+    return inputs, wanted, where
+
+
+def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
+                          inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr), from
+    one packed forward (``_packed_inputs``)."""
+    inputs, wanted, where = _packed_inputs(ids, mask, tr, first, inverse)
+    return model(**inputs, logits_to_keep=wanted).logits[0], where
+
+
+def response_values(model, batch: Batch, share_prefix: bool = False) -> torch.Tensor:
+    """Values (B, Tr) of a ``ValueModel``: the state before each response token, fp32.
+
+    ``share_prefix``: one packed forward over each distinct prompt once and the responses, without
+    padding, as ``response_logprobs`` does (``shared_prompts`` decides whether it saves enough);
+    positions past a row's response then hold 0, which the value loss and GAE mask out anyway.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    tr = batch["response_mask"].shape[1]
+    plan = shared_prompts(batch) if share_prefix else None
+    if plan is None:
+        return model(ids, attention_mask=mask, position_ids=position_ids(mask))[:, response_slice(batch)].float()
+    inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
+    values = model(**inputs, values_to_keep=wanted)[0]  # (M,)
+    return values.new_zeros(ids.shape[0], tr).index_put(where, values)
+
+
+def shares_prefix(worker) -> bool:
+    """Whether ``worker``'s forwards share prompts: on by config (``share_prefix``, set from
+    schedule.shared_prefix), and never for a sharded model, whose ranks must all run the same
+    forwards while their batches differ."""
+    return worker.share_prefix and not getattr(worker, "sharded", False)
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,

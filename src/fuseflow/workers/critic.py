@@ -13,9 +13,9 @@ from .common import (
     autocast,
     clipped_step,
     mean_metrics,
-    position_ids,
-    response_slice,
+    response_values,
     set_lr,
+    shares_prefix,
     sorted_inference,
     train_microbatches,
 )
@@ -31,6 +31,7 @@ class CriticWorker(TrainableRole):
     """
 
     token_budget = 4096  # padded tokens per forward (schedule.token_budget; the builder sets it)
+    share_prefix = False  # one packed forward per micro-batch (schedule.shared_prefix; the builder sets it)
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, algo, trainer,
                  norm_len: int, prefix: str = "", role: str = "critic", plain: torch.nn.Module | None = None):
@@ -42,10 +43,10 @@ class CriticWorker(TrainableRole):
                                            weight_decay=trainer.weight_decay, betas=(0.9, 0.95))
 
     def _values(self, mb: Batch) -> torch.Tensor:
-        mask = mb["attention_mask"]
+        """(B, Tr) value of the state before each response token; shared prompts run once, responses
+        unpadded (``response_values``) where that saves enough."""
         with autocast(self.device, self.dtype):
-            v = self.model(mb["input_ids"], attention_mask=mask, position_ids=position_ids(mask))
-        return v[:, response_slice(mb)].float()  # (B, Tr): value of the state before each response token
+            return response_values(self.model, mb, share_prefix=shares_prefix(self))
 
     @register("dp_split")
     @torch.no_grad()
@@ -66,7 +67,8 @@ class CriticWorker(TrainableRole):
             n_tok, n_seq = self.global_counts(mini["response_mask"])
             role = self.role
             rec = {f"{role}/loss": 0.0, f"{role}/vf_clip_frac": 0.0}
-            for mb in train_microbatches(self, mini, self.token_budget, self.cfg.micro_batch_size):
+            for mb in train_microbatches(self, mini, self.token_budget, self.cfg.micro_batch_size,
+                                         by_prompt=shares_prefix(self)):
                 mb = mb.to(self.device)
                 loss, m = value_loss(self._values(mb), mb[self.prefix + "values"], mb[self.prefix + "returns"],
                                      mb["response_mask"], self.algo.value_clip, self.algo.loss_agg, n_tok, n_seq,
