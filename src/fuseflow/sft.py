@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from fuseflow.config import Config
 from fuseflow.data.batch import Batch, pad_sequences
@@ -180,6 +181,27 @@ def ensure_sft_model(cfg: Config, task: Task, tokenizer, device, dtype, progress
     if (cache / "sft_curve.json").is_file():
         log(f"SFT: reusing cached model {cache}")
         return cache, read_json(cache / "sft_curve.json")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # Runs that share a cache (two `fuseflow train` at once, parallel test workers) train each model
+    # once: the first takes the lock and trains, the others wait for it and reuse its model.
+    lock = FileLock(str(cache) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"SFT: another process is training this warm-start model ({cache}); waiting for it")
+        lock.acquire()
+    try:
+        if (cache / "sft_curve.json").is_file():
+            log(f"SFT: reusing cached model {cache}")
+            return cache, read_json(cache / "sft_curve.json")
+        return _train_and_cache(cfg, task, tokenizer, device, dtype, progress, log, cache)
+    finally:
+        lock.release()
+
+
+def _train_and_cache(cfg: Config, task: Task, tokenizer, device, dtype, progress, log, cache: Path
+                     ) -> tuple[Path, list]:
+    """Train the SFT model and move it into ``cache`` in one rename (a crash leaves no half-written model)."""
     log("SFT: training the warm-start model on task demonstrations (cached for later runs)")
     model, curve = train_sft(cfg, task, tokenizer, device, dtype, progress)
     tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
