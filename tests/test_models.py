@@ -342,14 +342,14 @@ def test_resolve_device(monkeypatch) -> None:
 
 def test_expanded_kv_heads_match_native_gqa(monkeypatch) -> None:
     # The CUDA path expands k/v heads instead of using enable_gqa; both must give the same attention.
-    from fuseflow.models import llama
+    from fuseflow.models import attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 5, 8, generator=g) for h in (4, 2, 2))
     mask = build_attention_mask(torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]), q_len=5, past_len=0)
-    native = llama.attend(q, k, v, mask, is_causal=False)
-    monkeypatch.setattr(llama, "_native_gqa_ok", lambda q, mask: False)
-    expanded = llama.attend(q, k, v, mask, is_causal=False)
+    native = attention.attend(q, k, v, mask, is_causal=False)
+    monkeypatch.setattr(attention, "_native_gqa_ok", lambda q, mask: False)
+    expanded = attention.attend(q, k, v, mask, is_causal=False)
     # naive reference for head 3 of row 1 (uses kv head 1): softmax over allowed keys
     scores = (q[1, 3] @ k[1, 1].T) / math.sqrt(8)
     scores = scores.masked_fill(~mask[1, 0], float("-inf"))

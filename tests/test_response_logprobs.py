@@ -244,7 +244,7 @@ def test_the_actor_shares_prompts_in_scoring_and_training_with_the_same_result(t
 def test_an_unpadded_forward_equals_the_padded_one_at_the_real_tokens():
     # Packed (1, N) tokens of a right-padded batch behind a shared cache: the hidden states, the
     # returned cache at the real positions and the gradients equal the padded forward's.
-    from fuseflow.models.llama import Unpadded
+    from fuseflow.models.attention import Unpadded
 
     model, g = _model(), torch.Generator().manual_seed(2)
     prompt = torch.randint(1, 37, (2, 6), generator=g)

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from fuseflow.models import hf_io
+from fuseflow.models.attention import SharedPrefix, Unpadded
 from fuseflow.models.config import ModelConfig
-from fuseflow.models.llama import CausalLM, DecoderModel, SharedPrefix, Unpadded, init_weights
+from fuseflow.models.llama import CausalLM, DecoderModel, init_weights
 
 VALUE_ARCHITECTURE = "FuseflowValueModel"
 

@@ -110,7 +110,7 @@ def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.
     batch row), then every packed response token. Outputs there equal one forward over the whole
     rows up to float rounding.
     """
-    from fuseflow.models.llama import SharedPrefix
+    from fuseflow.models.attention import SharedPrefix
 
     tp, dev = ids.shape[1] - tr, ids.device
     pos = position_ids(mask)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fuseflow.models.llama import CausalLM, attend, rope_cos_sin, rope_inv_freq
+from fuseflow.models.attention import attend
+from fuseflow.models.llama import CausalLM, rope_cos_sin, rope_inv_freq
 from fuseflow.models.lora import lora_parts
 
 from .kv import DecodeCache, KVPool
