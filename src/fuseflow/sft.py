@@ -209,7 +209,6 @@ def _train_and_cache(cfg: Config, task: Task, tokenizer, device, dtype, progress
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(str(tmp))
     (tmp / "sft_curve.json").write_text(json.dumps(curve))
-    cache.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(cache, ignore_errors=True)
     os.replace(tmp, cache)
     return cache, curve

@@ -51,14 +51,9 @@ class ReferenceWorker(Worker):
         def run(mb: Batch) -> torch.Tensor:
             with autocast(self.device, self.dtype):
                 return response_logprobs(self.model, mb.to(self.device), self.temperature,
-                                         share_prefix=self.shares_prefix).cpu()
+                                         share_prefix=shares_prefix(self)).cpu()
 
         return sorted_inference(batch, self.token_budget, run, worker=self)
-
-    @property
-    def shares_prefix(self) -> bool:
-        """Whether this worker's forwards share prompts (``common.shares_prefix``)."""
-        return shares_prefix(self)
 
     @register("rank_zero")
     def evaluate(self) -> dict[str, float]:
@@ -159,11 +154,11 @@ class ActorWorker(TrainableRole, ReferenceWorker):
             mini = batch.select(idx)
             n_tok, n_seq = self.global_counts(mini["response_mask"])
             rec: dict[str, float] = {}
-            for mb in train_microbatches(self, mini, self.token_budget, self.mbs, by_prompt=self.shares_prefix):
+            for mb in train_microbatches(self, mini, self.token_budget, self.mbs, by_prompt=shares_prefix(self)):
                 mb = mb.to(self.device)
                 with autocast(self.device, self.dtype):
                     logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                                      share_prefix=self.shares_prefix)
+                                                      share_prefix=shares_prefix(self))
                 loss, metrics = actor_loss(self.policy_loss, algo, logp, entropy, mb, kl_coef, n_tok, n_seq,
                                            self.norm_len)
                 self.backward(loss)

@@ -130,14 +130,6 @@ def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.
     return inputs, wanted, where
 
 
-def _shared_prefix_logits(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
-                          inverse: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Logits (M, V) that predict the real response tokens, and their ``(row, column)`` in (B, Tr), from
-    one packed forward (``_packed_inputs``)."""
-    inputs, wanted, where = _packed_inputs(ids, mask, tr, first, inverse)
-    return model(**inputs, logits_to_keep=wanted).logits[0], where
-
-
 def response_values(model, batch: Batch, share_prefix: bool = False) -> torch.Tensor:
     """Values (B, Tr) of a ``ValueModel``: the state before each response token, fp32.
 
@@ -186,8 +178,9 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     plan = shared_prompts(batch) if share_prefix else None
     where = None
     if plan is not None:  # (M, V) at the real response positions ``where``
-        logits, where = _shared_prefix_logits(model, ids, mask, tr, *plan)
-        logits, targets = logits.float(), targets[where]
+        inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
+        logits = model(**inputs, logits_to_keep=wanted).logits[0].float()  # (M, V) at the real response tokens
+        targets = targets[where]
     else:
         logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
         logits = logits[:, -(tr + 1):-1].float()  # (B, Tr, V): the positions that predict the response
