@@ -66,6 +66,10 @@ class Echo(Worker):
         time.sleep(seconds)
         return seconds
 
+    @register("one_to_all")
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
     @register("one_to_all", collect="rank_zero")
     def stall_then_reduce(self, stall_rank: int, seconds: float) -> dict[str, float]:
         """Rank ``stall_rank`` sleeps while the others wait in an all-reduce (a collective that times out)."""

@@ -1,11 +1,12 @@
 """Worker groups on a local 2-CPU Ray cluster with fake workers: dispatch, futures, process groups, faults."""
 
+import os
 import time
 
 import pytest
 
 from controller_fakes import Echo, build_echo, make_batch
-from fuseflow.controller.group import WorkerFailure
+from fuseflow.controller.group import WorkerFailure, beside
 from fuseflow.controller.placement import resolve_placement
 from fuseflow.controller.ray_backend import ClusterError, RayCluster, check_address
 from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
@@ -57,6 +58,34 @@ def test_futures_overlap_groups_on_split_pools(ray_cluster):  # noqa: F811
         # Both pools slept at the same time: far less than the 3 s of running them one after the other.
         assert time.perf_counter() - t0 < 2.8
         assert a.compute_seconds >= 1.5
+    finally:
+        cluster.shutdown()
+
+
+def test_colocated_roles_run_beside_each_other_only_when_asked(ray_cluster):  # noqa: F811
+    cluster = _cluster(cpus=0.25, a="main", b="main")  # both roles in the same two processes
+    try:
+        a = cluster.group("a", Echo, build_echo)
+        b = cluster.group("b", Echo, build_echo)
+        t0 = time.perf_counter()
+        fa, fb = a.sleep.future(1.0), b.sleep.future(1.0)
+        assert fa.result() == [1.0, 1.0] and fb.result() == [1.0, 1.0]
+        assert time.perf_counter() - t0 >= 2.0  # one process's calls run one after the other
+        t0 = time.perf_counter()
+        fa = a.sleep.future(1.0)
+        with beside():
+            fb = b.sleep.future(1.0)
+        assert fa.result() == [1.0, 1.0] and fb.result() == [1.0, 1.0]
+        assert time.perf_counter() - t0 < 1.8  # b's call took a lane of its own
+
+        # Lent threads (the cores of idle rollout replicas) and given back.
+        cores, node = len(os.sched_getaffinity(0)), ray_cluster.get_runtime_context().get_node_id()
+        a.lend_threads({"another-node": 1})
+        assert a.threads() == [1, 1]  # cores of another node are not this process's to take
+        a.lend_threads({node: 1})
+        assert a.threads() == [min(2, cores)] * 2 and b.threads() == [min(2, cores)] * 2  # per process
+        a.lend_threads({})
+        assert a.threads() == [1, 1]
     finally:
         cluster.shutdown()
 

@@ -12,15 +12,44 @@ compute of every group.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fuseflow.data.batch import Batch
 
 from .dispatch import plan_for, restore, shard
 from .worker import Dispatch, dispatch_of, registered_methods
+
+
+_lane = threading.local()
+
+
+@contextmanager
+def beside() -> Iterator[None]:
+    """Group calls started in this block (on this thread) run beside the worker processes' other calls.
+
+    A worker process runs its roles' calls one at a time, in the order they come. A call started
+    here takes a lane of its own instead (on Ray, the host's ``beside`` concurrency group), so two
+    roles colocated in one process, such as PPO's actor and critic updates in a fused mode, compute
+    at the same time on two cores. Never start a call beside another call of the same role: one
+    model is not safe to use from two threads. In-process groups run calls on the caller's thread,
+    so for them the block changes nothing.
+    """
+    before = getattr(_lane, "beside", False)
+    _lane.beside = True
+    try:
+        yield
+    finally:
+        _lane.beside = before
+
+
+def started_beside() -> bool:
+    """Whether this thread is inside ``beside()``."""
+    return getattr(_lane, "beside", False)
 
 
 class WorkerFailure(RuntimeError):
@@ -143,6 +172,14 @@ class WorkerGroup(ABC):
         if spec.collect == "list":
             return list(results)
         return results[0] if plan is None else restore(results, plan)
+
+    def lend_threads(self, cores: dict[str, int]) -> None:
+        """Give each rank's process as many more intra-op threads as ``cores`` names for its Ray node
+        (``{}``: back to its own), until told otherwise.
+
+        For the cores of rollout replicas that sit idle while this role trains (sequential modes).
+        In-process groups compute on the controller's threads, which the caller sets itself.
+        """
 
     def _count(self, seconds: list[float], cpu_seconds: float = 0.0) -> None:
         self.compute_seconds += max(seconds, default=0.0)

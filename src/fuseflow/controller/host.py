@@ -30,7 +30,8 @@ class WorkerHost:
 
     def __init__(self, pool: str, rank: int, world_size: int, threads: int = 1):
         self.pool, self.rank, self.world_size = pool, rank, world_size
-        torch.set_num_threads(max(1, threads))
+        self.threads = max(1, threads)  # the bundle's CPUs
+        torch.set_num_threads(self.threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda":  # Ray makes exactly this worker's GPU visible, as device 0
             torch.cuda.set_device(0)
@@ -71,6 +72,20 @@ class WorkerHost:
         t0, c0 = time.perf_counter(), time.process_time()
         out = getattr(self.roles[role], method)(*args, **kwargs)
         return to_wire(out), time.perf_counter() - t0, time.process_time() - c0
+
+    def lend_threads(self, cores: dict[str, int]) -> int:
+        """Compute on the bundle's threads plus ``cores[this node]`` (``{}``: just the bundle's), never more
+        than the cores this process may run on; returns the threads now in use.
+
+        The controller lends the cores of rollout replicas on this node while they sit idle (a
+        sequential mode's updates); Ray counts CPU slots for placement and does not pin threads.
+        """
+        import ray
+
+        extra = max(0, cores.get(ray.get_runtime_context().get_node_id(), 0))
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, min(self.threads + extra, max(have, self.threads))))
+        return torch.get_num_threads()
 
     def shutdown(self) -> None:
         if self.distributed:

@@ -22,9 +22,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from .dispatch import from_wire, to_wire
-from .group import Future, WorkerFailure, WorkerGroup
+from .group import Future, WorkerFailure, WorkerGroup, started_beside
 from .host import WorkerHost
 from .placement import Placement, PoolPlan
+
+# Lanes per worker process for calls started ``beside()`` (group.beside): PPO's critic updates (two
+# with safe_ppo's cost critic) beside the actor's, which keeps the process's serial lane.
+BESIDE_LANES = 2
 
 
 class ClusterError(RuntimeError):
@@ -169,7 +173,8 @@ class RayCluster:
         import ray
 
         pgs = self._reserve(pool)
-        remote = ray.remote(WorkerHost)
+        # One serial lane for the roles' calls in order, plus lanes for calls started ``beside()``.
+        remote = ray.remote(concurrency_groups={"beside": BESIDE_LANES})(WorkerHost)
         hosts = []
         for rank in range(pool.size):
             hosts.append(remote.options(
@@ -286,11 +291,16 @@ class RayGroup(WorkerGroup):
         if len(per_rank) > 1 and all(p is per_rank[0] for p in per_rank):
             # one_to_all: store the input once; Ray hands each host the stored object.
             shared = tuple(ray.put(x) for x in to_wire(per_rank[0]))
+        lane = {"concurrency_group": "beside"} if started_beside() else {}
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)
-            refs.append(self.hosts[r].call.remote(self.role, name, args, kwargs))
+            refs.append(self.hosts[r].call.options(**lane).remote(self.role, name, args, kwargs))
         return RayFuture(self, name, ranks, refs, collect)
+
+    def lend_threads(self, cores: dict[str, int]) -> None:
+        refs = [h.lend_threads.remote(cores) for h in self.hosts]
+        _wait_ranks(self.role, "lend_threads", list(range(len(refs))), refs, self.pool)
 
 
 class RayFuture(Future):

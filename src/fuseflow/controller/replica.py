@@ -71,7 +71,10 @@ class RolloutReplica:
         """Engine capacity (for the migration plan) and the weights' signature (checked against the trainer's)."""
         e = self.engine
         config = e.config if isinstance(e, Engine) else EngineConfig(e.max_num_seqs, e.kv_budget_tokens)
+        import ray
+
         return {"config": config, "kv_tokens": e.kv_capacity_tokens(), "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads(),
                 "scores": self.scorer is not None, "scores_reference": self.ref_scorer is not None,
                 "backend": type(e).__name__, "signature": signature(self.model), "version": e.policy_version}
 
@@ -257,6 +260,14 @@ class ReplicaSet:
     @property
     def pids(self) -> list[int]:
         return [i["pid"] for i in self._info()]
+
+    @property
+    def cores_by_node(self) -> dict[str, int]:
+        """The replicas' intra-op threads summed per Ray node (the cores they leave idle when they are)."""
+        out: dict[str, int] = {}
+        for i in self._info():
+            out[i["node"]] = out.get(i["node"], 0) + i["threads"]
+        return out
 
     @property
     def version(self) -> int:

@@ -39,12 +39,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fuseflow.controller.group import Future as GroupFuture
+from fuseflow.controller.group import beside
 from fuseflow.data.batch import Batch
 from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
 from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate, trigger_count
@@ -320,12 +322,14 @@ class Pooled(Strategy):
         Fused and async modes with several updates (PPO's actor and critic) run every update
         but the last (the actor's) on a thread of its own, the last on the controller thread:
         the models never touch each other's parameters and the mini-batch shuffles are seeded
-        per update, so results equal the one-after-another order. ``sequential`` and
-        ``elastic`` keep that order (verl's), with each update on the cores of all rollout
-        workers (they are idle then), as does ``fused`` with a single update (GRPO); ``async``
-        with a single update trains on the controller thread alone, beside the next step's
-        generation. Measured on the fusion benchmark (docs/benchmarks.md): async PPO with its
-        updates side by side 121-125 samples/s, one after the other on one thread 90-92.
+        per update, so results equal the one-after-another order. On Ray those threads start
+        their calls ``beside()``, so roles colocated in one process train at the same time there
+        too. ``sequential`` and ``elastic`` keep that order (verl's), with each update on the
+        cores of all rollout workers (they are idle then: this process's threads, or lent to the
+        roles' processes on Ray), as does ``fused`` with a single update (GRPO); ``async`` with a
+        single update trains on one core alone, beside the next step's generation. Measured on
+        the fusion benchmark (docs/benchmarks.md): async PPO with its updates side by side
+        121-125 samples/s, one after the other on one thread 90-92.
         """
         side_by_side = (self.fused or self.asynchronous) and len(updates) > 1
         if self.asynchronous and not side_by_side:
@@ -333,12 +337,17 @@ class Pooled(Strategy):
         if not side_by_side:
             # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
             # threads (verl trains each model on all devices, one model after the other).
-            own = torch.get_num_threads()
+            own, trainers = torch.get_num_threads(), [self.stages.roles.actor, *self.stages.roles.critics]
             torch.set_num_threads(update_threads(own, len(self.pool)))
+            lent = self.pool.lendable_cores()
+            for g in trainers:
+                g.lend_threads(lent)
             try:
                 return overlap(self.tracer, step, updates)
             finally:
                 torch.set_num_threads(own)
+                for g in trainers:
+                    g.lend_threads({})
         names = list(updates)
         results: dict[str, Future] = {name: Future() for name in names}
         threads = []
@@ -348,7 +357,7 @@ class Pooled(Strategy):
                 self.tracer.name_track(self.train_tracks[name], f"training-{name.removesuffix('_update')}")
             track = self.train_tracks[name]
             threads.append(threading.Thread(target=self._run_update, args=(step, name, updates[name], track,
-                                                                           results[name]), daemon=True,
+                                                                           results[name], True), daemon=True,
                                             name=f"train-{name}"))
         for th in threads:
             th.start()
@@ -357,10 +366,13 @@ class Pooled(Strategy):
             th.join()
         return {name: results[name].result() for name in names}  # re-raises a failed update's error
 
-    def _run_update(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future) -> None:
+    def _run_update(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future,
+                    side: bool = False) -> None:
         with self.tracer.span(name, step, track=track):
             try:
-                out.set_result(start().result())
+                with beside() if side else nullcontext():
+                    future = start()
+                out.set_result(future.result())
             except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
                 out.set_exception(e)
 

@@ -118,6 +118,10 @@ class RolloutPool:
     def __len__(self) -> int:
         return len(self.engines)
 
+    def lendable_cores(self) -> dict[str, int]:
+        """None to lend to worker processes: these workers are this process's threads (the strategy sets them)."""
+        return {}
+
     threaded = True  # workers are threads of the controller (the Ray pool's are processes)
 
     def update_weights(self, version: int) -> None:

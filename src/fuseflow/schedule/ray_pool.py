@@ -68,6 +68,10 @@ class RayRolloutPool:
     def __len__(self) -> int:
         return len(self.replicas)
 
+    def lendable_cores(self) -> dict[str, int]:
+        """Cores per Ray node that the replicas leave to the roles' processes while they all sit idle."""
+        return self.replicas.cores_by_node
+
     # ------------------------------------------------------------------ weights
     def set_weights(self, version: int, source: Callable[[], dict] | None = None) -> int:
         """Every replica takes the actor's current weights as ``version`` (``source`` is for in-process
