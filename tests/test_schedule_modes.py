@@ -349,3 +349,65 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
     finally:
         release.set()
         tr.close()
+
+
+class _StubGroup:
+    """A role's group as ``Pooled.train`` sees it: records lent threads and whether calls start ``beside()``."""
+
+    def __init__(self, name, log, fail=False):
+        self.name, self.log, self.fail = name, log, fail
+
+    def lend_threads(self, cores):
+        self.log.append((self.name, "lend", dict(cores)))
+
+    def starter(self):
+        from fuseflow.controller.group import Done, started_beside
+
+        def start():
+            self.log.append((self.name, "start", started_beside()))
+            if self.fail:
+                raise FloatingPointError(f"{self.name} diverged")
+            return Done({f"{self.name}/loss": 1.0})
+        return start
+
+
+def _stub_strategy(cls, log, fail=False):
+    from types import SimpleNamespace
+
+    actor, critic = _StubGroup("actor", log, fail), _StubGroup("critic", log)
+    s = object.__new__(cls)
+    s.tracer, s.train_tracks, s.infer_track = Tracer(), {}, 3
+    s.pool = type("Pool", (), {"__len__": lambda self: 2, "lendable_cores": lambda self: {"node-a": 2}})()
+    s.stages = SimpleNamespace(roles=SimpleNamespace(actor=actor, critics=[critic]))
+    return s, {"critic_update": critic.starter(), "actor_update": actor.starter()}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "fused"])
+def test_updates_lend_replica_cores_in_order_and_start_side_by_side_calls_beside(mode):
+    """On Ray the updates run in the roles' processes: in sequential order they get the replicas' cores
+    (lent before, given back after); fused starts every update but the actor's in the ``beside`` lane."""
+    from fuseflow.schedule.modes import MODES
+
+    log: list = []
+    s, updates = _stub_strategy(MODES[mode], log)
+    out = s.train(1, updates)
+    assert out == {"critic_update": {"critic/loss": 1.0}, "actor_update": {"actor/loss": 1.0}}
+    starts = sorted(e for e in log if e[1] == "start")
+    lends = [e for e in log if e[1] == "lend"]
+    if mode == "sequential":
+        assert starts == [("actor", "start", False), ("critic", "start", False)]
+        assert lends == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2}),
+                         ("actor", "lend", {}), ("critic", "lend", {})]
+    else:
+        assert starts == [("actor", "start", False), ("critic", "start", True)]
+        assert lends == []
+
+
+def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():
+    from fuseflow.schedule.modes import MODES
+
+    log: list = []
+    s, updates = _stub_strategy(MODES["sequential"], log, fail=True)
+    with pytest.raises(FloatingPointError, match="actor diverged"):
+        s.train(1, updates)
+    assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2})]

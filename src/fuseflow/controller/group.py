@@ -24,7 +24,6 @@ from fuseflow.data.batch import Batch
 from .dispatch import plan_for, restore, shard
 from .worker import Dispatch, dispatch_of, registered_methods
 
-
 _lane = threading.local()
 
 
@@ -180,6 +179,7 @@ class WorkerGroup(ABC):
         For the cores of rollout replicas that sit idle while this role trains (sequential modes).
         In-process groups compute on the controller's threads, which the caller sets itself.
         """
+        return None  # in-process: nothing to lend (RayGroup overrides it)
 
     def _count(self, seconds: list[float], cpu_seconds: float = 0.0) -> None:
         self.compute_seconds += max(seconds, default=0.0)

@@ -343,11 +343,12 @@ class Pooled(Strategy):
             for g in trainers:
                 g.lend_threads(lent)
             try:
-                return overlap(self.tracer, step, updates)
+                out = overlap(self.tracer, step, updates)
             finally:
                 torch.set_num_threads(own)
-                for g in trainers:
-                    g.lend_threads({})
+            for g in trainers:  # not after a failed update: its error, not this call's, reaches the user
+                g.lend_threads({})
+            return out
         names = list(updates)
         results: dict[str, Future] = {name: Future() for name in names}
         threads = []
