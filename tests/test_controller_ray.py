@@ -14,8 +14,8 @@ from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def _cluster(collective_timeout_s=60.0, cpus=0.5, **placement):
-    p = resolve_placement({}, placement or {"echo": "main"}, {r: 2 for r in placement or ["echo"]})
+def _cluster(collective_timeout_s=60.0, cpus=0.5, dp=2, **placement):
+    p = resolve_placement({}, placement or {"echo": "main"}, {r: dp for r in placement or ["echo"]})
     # Fractions of a CPU slot per worker, so several pools fit the 2-slot cluster at once.
     p = type(p)({n: type(v)(n, v.nodes, v.workers_per_node, cpus, 0.0) for n, v in p.pools.items()}, p.role_pool, p.dp)
     return RayCluster(p, start_timeout_s=60, collective_timeout_s=collective_timeout_s)
@@ -38,6 +38,10 @@ def test_dispatch_modes_across_processes(echo_cluster):
     who = group.whoami("t")
     assert [w[1:3] for w in who] == [(0, 2), (1, 2)] and who[0][3] != who[1][3]  # two processes
     assert group.only_rank_zero() == 0
+    # Two ranks run collectives on the pool's process group: never from a second thread of a process.
+    assert not group.runs_beside
+    with beside(), pytest.raises(RuntimeError, match="cannot run beside"):
+        group.sleep.future(0.1)
     assert group.per_rank([1, 2]) == [10, 20]
     assert group.niceness() == [0, 0]  # not Ray's default 15: workers keep their share of a busy CPU
     # The pool's process group: an all-reduce inside the workers counts rows over both ranks.
@@ -63,29 +67,29 @@ def test_futures_overlap_groups_on_split_pools(ray_cluster):  # noqa: F811
 
 
 def test_colocated_roles_run_beside_each_other_only_when_asked(ray_cluster):  # noqa: F811
-    cluster = _cluster(cpus=0.25, a="main", b="main")  # both roles in the same two processes
+    cluster = _cluster(cpus=0.25, dp=1, a="main", b="main")  # both roles in the same process
     try:
         a = cluster.group("a", Echo, build_echo)
         b = cluster.group("b", Echo, build_echo)
         t0 = time.perf_counter()
         fa, fb = a.sleep.future(1.0), b.sleep.future(1.0)
-        assert fa.result() == [1.0, 1.0] and fb.result() == [1.0, 1.0]
+        assert fa.result() == [1.0] and fb.result() == [1.0]
         assert time.perf_counter() - t0 >= 2.0  # one process's calls run one after the other
         t0 = time.perf_counter()
         fa = a.sleep.future(1.0)
         with beside():
             fb = b.sleep.future(1.0)
-        assert fa.result() == [1.0, 1.0] and fb.result() == [1.0, 1.0]
+        assert fa.result() == [1.0] and fb.result() == [1.0]
         assert time.perf_counter() - t0 < 1.8  # b's call took a lane of its own
 
         # Lent threads (the cores of idle rollout replicas) and given back.
         cores, node = len(os.sched_getaffinity(0)), ray_cluster.get_runtime_context().get_node_id()
         a.lend_threads({"another-node": 1})
-        assert a.threads() == [1, 1]  # cores of another node are not this process's to take
+        assert a.threads() == [1]  # cores of another node are not this process's to take
         a.lend_threads({node: 1})
-        assert a.threads() == [min(2, cores)] * 2 and b.threads() == [min(2, cores)] * 2  # per process
+        assert a.threads() == [min(2, cores)] and b.threads() == [min(2, cores)]  # the process's
         a.lend_threads({})
-        assert a.threads() == [1, 1]
+        assert a.threads() == [1]
     finally:
         cluster.shutdown()
 

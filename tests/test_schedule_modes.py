@@ -354,8 +354,8 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
 class _StubGroup:
     """A role's group as ``Pooled.train`` sees it: records lent threads and whether calls start ``beside()``."""
 
-    def __init__(self, name, log, fail=False):
-        self.name, self.log, self.fail = name, log, fail
+    def __init__(self, name, log, fail=False, ranks=1):
+        self.name, self.log, self.fail, self.runs_beside = name, log, fail, ranks == 1
 
     def lend_threads(self, cores):
         self.log.append((self.name, "lend", dict(cores)))
@@ -371,10 +371,10 @@ class _StubGroup:
         return start
 
 
-def _stub_strategy(cls, log, fail=False):
+def _stub_strategy(cls, log, fail=False, ranks=1):
     from types import SimpleNamespace
 
-    actor, critic = _StubGroup("actor", log, fail), _StubGroup("critic", log)
+    actor, critic = _StubGroup("actor", log, fail, ranks), _StubGroup("critic", log, ranks=ranks)
     s = object.__new__(cls)
     s.tracer, s.train_tracks, s.infer_track = Tracer(), {}, 3
     s.pool = type("Pool", (), {"__len__": lambda self: 2, "lendable_cores": lambda self: {"node-a": 2}})()
@@ -401,6 +401,16 @@ def test_updates_lend_replica_cores_in_order_and_start_side_by_side_calls_beside
     else:
         assert starts == [("actor", "start", False), ("critic", "start", True)]
         assert lends == []
+
+
+def test_updates_on_several_ranks_go_out_in_one_order_even_when_fused():
+    """Ranks of a role share their pool's process group: two threads must not run collectives in one process."""
+    from fuseflow.schedule.modes import MODES
+
+    log: list = []
+    s, updates = _stub_strategy(MODES["fused"], log, ranks=2)
+    s.train(1, updates)
+    assert [e for e in log if e[1] == "start"] == [("critic", "start", False), ("actor", "start", False)]
 
 
 def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():

@@ -172,6 +172,13 @@ class WorkerGroup(ABC):
             return list(results)
         return results[0] if plan is None else restore(results, plan)
 
+    @property
+    def runs_beside(self) -> bool:
+        """Whether this role's calls may run ``beside()`` another role's in the same processes: not when its
+        ranks run collectives on their pool's process group (several ranks), which one process must
+        not enter from two threads at once, nor in an order that differs between its processes."""
+        return self.world_size == 1
+
     def lend_threads(self, cores: dict[str, int]) -> None:
         """Give each rank's process as many more intra-op threads as ``cores`` names for its Ray node
         (``{}``: back to its own), until told otherwise.

@@ -291,7 +291,12 @@ class RayGroup(WorkerGroup):
         if len(per_rank) > 1 and all(p is per_rank[0] for p in per_rank):
             # one_to_all: store the input once; Ray hands each host the stored object.
             shared = tuple(ray.put(x) for x in to_wire(per_rank[0]))
-        lane = {"concurrency_group": "beside"} if started_beside() else {}
+        lane = {}
+        if started_beside():
+            if not self.runs_beside:
+                raise RuntimeError(f"{self.role}.{name}: a call on {self.world_size} ranks cannot run beside another "
+                                   f"role's (its ranks share pool {self.pool}'s process group); start it in order")
+            lane = {"concurrency_group": "beside"}
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)

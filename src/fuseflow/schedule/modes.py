@@ -324,20 +324,25 @@ class Pooled(Strategy):
         the models never touch each other's parameters and the mini-batch shuffles are seeded
         per update, so results equal the one-after-another order. On Ray those threads start
         their calls ``beside()``, so roles colocated in one process train at the same time there
-        too. ``sequential`` and ``elastic`` keep that order (verl's), with each update on the
+        too; roles on several ranks (collectives on their pool's group) are started in one order
+        instead, as in ``sequential``. ``sequential`` and ``elastic`` keep that order (verl's), with each update on the
         cores of all rollout workers (they are idle then: this process's threads, or lent to the
         roles' processes on Ray), as does ``fused`` with a single update (GRPO); ``async`` with a
         single update trains on one core alone, beside the next step's generation. Measured on
         the fusion benchmark (docs/benchmarks.md): async PPO with its updates side by side
         121-125 samples/s, one after the other on one thread 90-92.
         """
-        side_by_side = (self.fused or self.asynchronous) and len(updates) > 1
+        trainers = [self.stages.roles.actor, *self.stages.roles.critics]
+        # Roles on several Ray ranks run collectives on their pool's process group: their updates go out
+        # in one order from this thread, so every process runs them in the same order (``overlap``).
+        side_by_side = ((self.fused or self.asynchronous) and len(updates) > 1
+                        and all(g.runs_beside for g in trainers))
         if self.asynchronous and not side_by_side:
             return overlap(self.tracer, step, updates)  # one core trains, the others generate the next step
         if not side_by_side:
             # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
             # threads (verl trains each model on all devices, one model after the other).
-            own, trainers = torch.get_num_threads(), [self.stages.roles.actor, *self.stages.roles.critics]
+            own = torch.get_num_threads()
             torch.set_num_threads(update_threads(own, len(self.pool)))
             lent = self.pool.lendable_cores()
             for g in trainers:
