@@ -68,11 +68,12 @@ class RolloutReplica:
         return os.getpid()
 
     def info(self) -> dict[str, Any]:
-        """Engine capacity (for the migration plan) and the weights' signature (checked against the trainer's)."""
-        e = self.engine
-        config = e.config if isinstance(e, Engine) else EngineConfig(e.max_num_seqs, e.kv_budget_tokens)
+        """Engine capacity (for the migration plan), the weights' signature (checked against the trainer's),
+        and where it runs: its Ray node and torch threads (the cores it lends while idle)."""
         import ray
 
+        e = self.engine
+        config = e.config if isinstance(e, Engine) else EngineConfig(e.max_num_seqs, e.kv_budget_tokens)
         return {"config": config, "kv_tokens": e.kv_capacity_tokens(), "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads(),
                 "scores": self.scorer is not None, "scores_reference": self.ref_scorer is not None,

@@ -325,12 +325,12 @@ class Pooled(Strategy):
         per update, so results equal the one-after-another order. On Ray those threads start
         their calls ``beside()``, so roles colocated in one process train at the same time there
         too; roles on several ranks (collectives on their pool's group) are started in one order
-        instead, as in ``sequential``. ``sequential`` and ``elastic`` keep that order (verl's), with each update on the
-        cores of all rollout workers (they are idle then: this process's threads, or lent to the
-        roles' processes on Ray), as does ``fused`` with a single update (GRPO); ``async`` with a
-        single update trains on one core alone, beside the next step's generation. Measured on
-        the fusion benchmark (docs/benchmarks.md): async PPO with its updates side by side
-        121-125 samples/s, one after the other on one thread 90-92.
+        instead, as in ``sequential``. ``sequential`` and ``elastic`` keep that order (verl's),
+        with each update on the cores of all rollout workers (they are idle then: this process's
+        threads, or lent to the roles' processes on Ray), as does ``fused`` with a single update
+        (GRPO); ``async`` with a single update trains on one core alone, beside the next step's
+        generation. Measured on the fusion benchmark (docs/benchmarks.md): async PPO with its
+        updates side by side 121-125 samples/s, one after the other on one thread 90-92.
         """
         trainers = [self.stages.roles.actor, *self.stages.roles.critics]
         # Roles on several Ray ranks run collectives on their pool's process group: their updates go out
