@@ -44,6 +44,11 @@ class Echo(Worker):
     def niceness(self) -> int:
         return os.nice(0)
 
+    @register("one_to_all")
+    def sched_policy(self) -> int:
+        """The scheduling policy of the thread that runs this call (Linux)."""
+        return os.sched_getscheduler(0)
+
     @register("rank_zero")
     def only_rank_zero(self) -> int:
         return self.rank

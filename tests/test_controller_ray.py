@@ -6,7 +6,7 @@ import time
 import pytest
 
 from controller_fakes import Echo, build_echo, make_batch
-from fuseflow.controller.group import WorkerFailure, beside
+from fuseflow.controller.group import WorkerFailure, background, beside
 from fuseflow.controller.placement import resolve_placement
 from fuseflow.controller.ray_backend import ClusterError, RayCluster, check_address
 from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
@@ -42,6 +42,8 @@ def test_dispatch_modes_across_processes(echo_cluster):
     assert not group.runs_beside
     with beside(), pytest.raises(RuntimeError, match="cannot run beside"):
         group.sleep.future(0.1)
+    with background():  # nor in the background lane: the ranks' one order instead, at normal priority
+        assert group.sched_policy() == [os.SCHED_OTHER] * 2
     assert group.per_rank([1, 2]) == [10, 20]
     assert group.niceness() == [0, 0]  # not Ray's default 15: workers keep their share of a busy CPU
     # The pool's process group: an all-reduce inside the workers counts rows over both ranks.
@@ -81,6 +83,16 @@ def test_colocated_roles_run_beside_each_other_only_when_asked(ray_cluster):  # 
             fb = b.sleep.future(1.0)
         assert fa.result() == [1.0] and fb.result() == [1.0]
         assert time.perf_counter() - t0 < 1.8  # b's call took a lane of its own
+
+        # Background calls: a lane of their own, under SCHED_IDLE (cores nothing else wants).
+        t0 = time.perf_counter()
+        fa = a.sleep.future(1.0)
+        with background():
+            fb = b.sleep.future(1.0)
+            policy = b.sched_policy.future()
+        assert fa.result() == [1.0] and fb.result() == [1.0]
+        assert time.perf_counter() - t0 < 1.8
+        assert policy.result() == [os.SCHED_IDLE] and a.sched_policy() == [os.SCHED_OTHER]
 
         # Lent threads (the cores of idle rollout replicas) and given back.
         cores, node = len(os.sched_getaffinity(0)), ray_cluster.get_runtime_context().get_node_id()

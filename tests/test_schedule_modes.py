@@ -74,9 +74,23 @@ def test_async_with_staleness_zero_equals_sequential(tmp_path, sft_cache):
     _same_training(seq, asy)
 
 
-def test_async_samples_respect_the_staleness_bound(tmp_path, sft_cache):
+def test_async_samples_respect_the_staleness_bound(tmp_path, sft_cache, monkeypatch):
+    from fuseflow.controller.group import started_background
+    from fuseflow.schedule.stages import Stages
+
+    lanes, infer = set(), Stages.infer
+
+    def spy(self, samples, names, *args, **kwargs):
+        lanes.add((tuple(names), started_background()))
+        return infer(self, samples, names, *args, **kwargs)
+
+    monkeypatch.setattr(Stages, "infer", spy)
     batches, metrics = _run(tmp_path, sft_cache, ["schedule.mode=fused+async", "schedule.max_staleness=1",
                                                   "schedule.rollout_workers=2"], steps=3)
+    # Inference streamed while step 1 decodes, and the prefetches' frozen stages while the previous step
+    # trains, start in the background lane; the old log-probs and values that wait for training do not.
+    assert lanes == {(("old_logprob", "reference", "reward", "critic"), True), (("reference", "reward"), True),
+                     (("old_logprob", "critic"), False)}
     for step, batch in enumerate(batches, start=1):
         ages = [(step - 1) - v for v in batch.meta["policy_version"]]
         assert all(0 <= a <= 1 for a in ages), (step, ages)

@@ -51,6 +51,31 @@ def started_beside() -> bool:
     return getattr(_lane, "beside", False)
 
 
+@contextmanager
+def background() -> Iterator[None]:
+    """Group calls started in this block (on this thread) run in the background of their worker processes.
+
+    Such a call takes a lane of its own (on Ray, the host's ``background`` concurrency group,
+    one thread) that runs under ``SCHED_IDLE`` (``controller.priority``): it computes only on a
+    core that no other work wants. Streamed inference uses it while the rollout replicas decode
+    on the same cores, and an async prefetch's inference while the updates train: the critical
+    path keeps its cores and the inference fills the gaps (a replica done early, a wait on a
+    transfer) and whatever follows. Like ``beside()``, never while the same role runs another
+    call; in-process groups run calls on the caller's thread, so for them it changes nothing.
+    """
+    before = getattr(_lane, "background", False)
+    _lane.background = True
+    try:
+        yield
+    finally:
+        _lane.background = before
+
+
+def started_background() -> bool:
+    """Whether this thread is inside ``background()``."""
+    return getattr(_lane, "background", False)
+
+
 class WorkerFailure(RuntimeError):
     """A worker died or raised (e.g. a collective timed out); names the role, rank and method.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from .dispatch import from_wire, to_wire
+from .priority import set_background
 from .worker import DistInfo, Worker
 
 
@@ -72,6 +74,12 @@ class WorkerHost:
         t0, c0 = time.perf_counter(), time.process_time()
         out = getattr(self.roles[role], method)(*args, **kwargs)
         return to_wire(out), time.perf_counter() - t0, time.process_time() - c0
+
+    def call_background(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
+        """``call`` under ``SCHED_IDLE``: only ever sent to the ``background`` lane, whose one thread keeps
+        that priority for the process's life (leaving it may need a privilege); see ``group.background``."""
+        set_background(threading.get_native_id(), True)
+        return self.call(role, method, args, kwargs)
 
     def lend_threads(self, cores: dict[str, int]) -> int:
         """Compute on the bundle's threads plus ``cores[this node]`` (``{}``: just the bundle's), never more

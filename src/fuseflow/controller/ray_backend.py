@@ -22,13 +22,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from .dispatch import from_wire, to_wire
-from .group import Future, WorkerFailure, WorkerGroup, started_beside
+from .group import Future, WorkerFailure, WorkerGroup, started_background, started_beside
 from .host import WorkerHost
 from .placement import Placement, PoolPlan
 
 # Lanes per worker process for calls started ``beside()`` (group.beside): PPO's critic updates (two
-# with safe_ppo's cost critic) beside the actor's, which keeps the process's serial lane.
+# with safe_ppo's cost critic) beside the actor's, which keeps the process's serial lane. Calls started
+# ``background()`` take one more lane, under SCHED_IDLE; one thread, so they keep their order.
 BESIDE_LANES = 2
+LANES = {"beside": BESIDE_LANES, "background": 1}
 
 
 class ClusterError(RuntimeError):
@@ -173,8 +175,9 @@ class RayCluster:
         import ray
 
         pgs = self._reserve(pool)
-        # One serial lane for the roles' calls in order, plus lanes for calls started ``beside()``.
-        remote = ray.remote(concurrency_groups={"beside": BESIDE_LANES})(WorkerHost)
+        # One serial lane for the roles' calls in order, plus lanes for calls started ``beside()`` and
+        # ``background()``.
+        remote = ray.remote(concurrency_groups=LANES)(WorkerHost)
         hosts = []
         for rank in range(pool.size):
             hosts.append(remote.options(
@@ -297,10 +300,13 @@ class RayGroup(WorkerGroup):
                 raise RuntimeError(f"{self.role}.{name}: a call on {self.world_size} ranks cannot run beside another "
                                    f"role's (its ranks share pool {self.pool}'s process group); start it in order")
             lane = {"concurrency_group": "beside"}
+        method = "call"
+        if not lane and started_background() and self.runs_beside:  # several ranks: their one order instead
+            lane, method = {"concurrency_group": "background"}, "call_background"
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)
-            refs.append(self.hosts[r].call.options(**lane).remote(self.role, name, args, kwargs))
+            refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs))
         return RayFuture(self, name, ranks, refs, collect)
 
     def lend_threads(self, cores: dict[str, int]) -> None:

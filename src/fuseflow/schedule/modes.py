@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from fuseflow.controller.group import Future as GroupFuture
-from fuseflow.controller.group import beside
+from fuseflow.controller.group import background, beside
 from fuseflow.data.batch import Batch
 from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
 from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate, trigger_count
@@ -203,9 +203,17 @@ class Pooled(Strategy):
         threshold = self._threshold()
 
         old_logprob, ref_logprob = self._replica_logprobs(step), self._replica_ref_logprobs()
+        # Inference that runs while this generation decodes (streamed) or while training goes on (a
+        # prefetch) is background work in the roles' processes: it takes only the cores that the
+        # critical path leaves idle (``controller.group.background``).
+        lane = background if stream or not foreground else nullcontext
+
+        def infer(group: list[Sample], names: tuple[str, ...]) -> dict:
+            with lane():
+                return self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)
 
         def submit(group: list[Sample], names: tuple[str, ...]) -> None:
-            results.append(tasks.submit(lambda: self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)))
+            results.append(tasks.submit(lambda: infer(group, names)))
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
 
