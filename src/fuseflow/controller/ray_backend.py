@@ -309,7 +309,11 @@ class RayGroup(WorkerGroup):
             refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs))
         return RayFuture(self, name, ranks, refs, collect)
 
-    def lend_threads(self, cores: dict[str, int]) -> None:
+    def lend_threads(self, cores: dict[str, int], background: bool = False) -> None:
+        if background:  # for calls still to come: set on the beside lane (free now), not waited for
+            for h in self.hosts:
+                h.lend_threads.options(concurrency_group="beside").remote(cores, True)
+            return
         refs = [h.lend_threads.remote(cores) for h in self.hosts]
         _wait_ranks(self.role, "lend_threads", list(range(len(refs))), refs, self.pool)
 
