@@ -38,12 +38,19 @@ def beside() -> Iterator[None]:
     model is not safe to use from two threads. In-process groups run calls on the caller's thread,
     so for them the block changes nothing.
     """
-    before = getattr(_lane, "beside", False)
-    _lane.beside = True
+    with _marked("beside"):
+        yield
+
+
+@contextmanager
+def _marked(lane: str) -> Iterator[None]:
+    """This thread's calls carry the mark ``lane`` inside the block (restored after, so blocks nest)."""
+    before = getattr(_lane, lane, False)
+    setattr(_lane, lane, True)
     try:
         yield
     finally:
-        _lane.beside = before
+        setattr(_lane, lane, before)
 
 
 def started_beside() -> bool:
@@ -63,12 +70,8 @@ def background() -> Iterator[None]:
     transfer) and whatever follows. Like ``beside()``, never while the same role runs another
     call; in-process groups run calls on the caller's thread, so for them it changes nothing.
     """
-    before = getattr(_lane, "background", False)
-    _lane.background = True
-    try:
+    with _marked("background"):
         yield
-    finally:
-        _lane.background = before
 
 
 def started_background() -> bool:
