@@ -174,6 +174,56 @@ def test_a_killed_replica_ends_the_run_with_one_line(tmp_path, sft_cache, monkey
                             lambda pool: ray.kill(pool.replicas.handles[1], no_restart=True))
 
 
+def test_a_weight_sync_a_replica_cannot_finish_fails_within_the_timeout_naming_it():
+    """A replica stuck in ``receive_weights`` (the broadcast itself went out) ends the sync within
+    ``ray.collective_timeout_s`` with one line naming that replica; it never hangs."""
+    import ray
+
+    from fuseflow.controller.replica import ReplicaSet
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self, stuck: bool):
+            self.stuck = stuck
+
+        def info(self) -> dict:
+            return {}
+
+        def receive_weights(self, version: int) -> dict:
+            time.sleep(120 if self.stuck else 0)
+            return {}
+
+    @ray.remote(num_cpus=0)
+    def broadcast() -> int:
+        return 1024
+
+    class Source:  # the actor group's side, as its group future: Ray refs and a result
+        def __init__(self):
+            self.refs = [broadcast.remote()]
+
+        def result(self):
+            return ray.get(self.refs[0])
+
+    class Actor:
+        class broadcast_weights:  # noqa: N801 - the group method's name
+            future = Source
+
+    handles = [Receiver.remote(False), Receiver.remote(True)]
+    try:
+        ray.get([h.info.remote() for h in handles])  # both processes up before the clock starts
+        replicas = ReplicaSet(handles, "rollout", timeout_s=2.0, start_timeout_s=60.0)
+        replicas.connected = True
+        t0 = time.perf_counter()
+        with pytest.raises(WorkerFailure) as failure:
+            replicas.sync(1, Actor())
+        assert time.perf_counter() - t0 < 10.0
+        assert str(failure.value) == ("rollout worker rank 1 (pool rollout) failed in rollout.receive_weights: "
+                                      "the weight sync did not complete within ray.collective_timeout_s=2s")
+    finally:
+        for h in handles:
+            ray.kill(h)
+
+
 @pytest.mark.parametrize("bad,words", [
     (["schedule.mode=elastic", "schedule.rollout_workers=2"], "needs a rollout pool: set placement.rollout"),
     (["schedule.mode=fused", "schedule.rollout_workers=2", "placement.rollout=main"],
