@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -68,6 +69,40 @@ def test_fused_with_migration_trains_like_sequential(tmp_path, sft_cache):
     assert max(a0, c0) < min(a1, c1)  # the two spans overlap
 
 
+def test_the_tail_asks_workers_for_their_samples_only_while_two_hold_some(tmp_path, sft_cache, monkeypatch):
+    """Migration can free a worker only while two or more hold unfinished samples; once the tail is on one,
+    the strategy stops asking the pool (on Ray each ask is a round trip to every replica process)."""
+    run, pending = RolloutPool.run, RolloutPool.pending
+    steps: list[dict] = []  # per generation: samples per worker, the order they were delivered, asks
+
+    def spy_run(self, step, shards, on_sample, *args, **kwargs):
+        if any(shards):
+            steps.append({"shards": [len(x) for x in shards], "delivered": [], "asks": 0})
+
+        def seen(w, s):
+            steps[-1]["delivered"].append(w)
+            on_sample(w, s)
+
+        return run(self, step, shards, seen, *args, **kwargs)
+
+    def spy_pending(self):
+        steps[-1]["asks"] += 1
+        return pending(self)
+
+    monkeypatch.setattr(RolloutPool, "run", spy_run)
+    monkeypatch.setattr(RolloutPool, "pending", spy_pending)
+    _batches, metrics = _run(tmp_path, sft_cache, ["schedule.mode=fused", "schedule.rollout_workers=2",
+                                                   "schedule.migration_threshold=0.9"], steps=3)
+    for g in steps:  # the strategy reads samples in delivery order: at most one ask per sample after
+        left, could = list(g["shards"]), 0  # which two workers still owed samples
+        for w in g["delivered"]:
+            left[w] -= 1
+            could += sum(k > 0 for k in left) > 1
+        assert g["asks"] <= could, g
+    assert any(g["asks"] for g in steps)
+    assert any(m["schedule/migrated_samples"] > 0 for m in metrics)  # the tail still migrates
+
+
 def test_async_with_staleness_zero_equals_sequential(tmp_path, sft_cache):
     seq = _run(tmp_path, sft_cache, [])
     asy = _run(tmp_path, sft_cache, ["schedule.mode=async", "schedule.max_staleness=0"])
@@ -99,6 +134,22 @@ def test_async_samples_respect_the_staleness_bound(tmp_path, sft_cache, monkeypa
         assert metrics[step - 1]["async/staleness_max"] == max(ages)
 
 
+def test_a_thread_waiting_for_a_task_wakes_when_one_arrives_or_the_queue_closes():
+    tasks, got = TaskQueue(), []
+    waiter = threading.Thread(target=lambda: got.append(tasks.take(30.0)))
+    waiter.start()
+    tasks.submit(lambda: 1)
+    waiter.join(5.0)
+    assert not waiter.is_alive() and got[0] is not None
+    waiter = threading.Thread(target=lambda: got.append(tasks.take(30.0)))
+    waiter.start()
+    t0 = time.perf_counter()
+    tasks.close()
+    waiter.join(5.0)
+    assert not waiter.is_alive() and got[1] is None and time.perf_counter() - t0 < 1.0
+    assert tasks.closed.is_set() and tasks.empty()
+
+
 def test_migrated_samples_keep_their_tokens():
     model = CausalLM.from_config(ModelConfig.preset("tiny", vocab_size=40), seed=0).eval()
     params = SamplingParams(max_new_tokens=24)
@@ -116,7 +167,7 @@ def test_migrated_samples_keep_their_tokens():
     moved = pool.migrate(MigrationPlan((1,), (0,), tuple(Move(u, 0, 1) for u in on_src), True), step=1)
     assert moved == len(on_src) and not pool.engines[0].has_unfinished()
     tasks = TaskQueue()
-    tasks.closed.set()
+    tasks.close()
     pool.run(1, [[], []], lambda _w, s: got.setdefault(s.uid, s.response_ids), tasks)
     pool.join()
     assert got == want
@@ -135,7 +186,7 @@ def test_background_workers_yield_the_cpu_until_training_ends():
 
     tasks = TaskQueue()
     done = tasks.submit(task)
-    tasks.closed.set()
+    tasks.close()
     pool.run(1, [[]], lambda _w, _s: None, tasks, background=True)
     while not seen:
         threading.Event().wait(0.001)

@@ -107,7 +107,8 @@ class Pooled(Strategy):
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         self._begin()
         s = self.s
-        self.pool.restore_priority()  # training is over: a prefetch still decoding gets full priority
+        if self.prefetch is not None:  # training is over: a prefetch still decoding gets full priority
+            self.pool.restore_priority()  # (on Ray a round trip to every replica: only when one may be)
         gen, metrics = self.stages.collect(step, self._draw)
         self._set_weights(step - 1)
         # Async: old log-probs and values need the just-trained models, so they run after the
@@ -189,6 +190,7 @@ class Pooled(Strategy):
         n, tasks, arrived = len(requests), TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
         shards = self.chooser.shards(requests, self.pool) if self.chooser else self._shards(requests)
+        left = [len(shard) for shard in shards]  # unfinished samples per worker (until a migration moves some)
         t_start, last_finish = time.perf_counter(), {}
         # A background (prefetch) generation runs beside training, the critical path: its workers
         # run under SCHED_IDLE so that training keeps its core (measured in docs/benchmarks.md).
@@ -233,6 +235,7 @@ class Pooled(Strategy):
                 continue
             deadline = time.perf_counter() + WAIT_S
             done.append(smp)
+            left[w] -= 1
             last_finish[w] = time.perf_counter()
             if stream:
                 closed = batcher.add(smp)
@@ -240,7 +243,10 @@ class Pooled(Strategy):
                     submit(closed, stream)
                 elif tasks.empty() and len(batcher) and self._idle_live():
                     submit(batcher.take(), stream)  # a worker would sit idle: hand it what there is
-            if threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold):
+            # Migration frees a worker only while two or more hold unfinished samples: otherwise asking them
+            # (a round trip to every replica process, each answered between its engine steps) is skipped.
+            if (threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold)
+                    and sum(k > 0 for k in left) > 1):
                 pending, budgets = self.pool.pending(), self.pool.budgets()
                 if should_migrate(pending, budgets, n, threshold):
                     migrated = self.pool.migrate(plan_migration(pending, budgets), step)
@@ -260,7 +266,7 @@ class Pooled(Strategy):
             if rest:
                 for group in _by_length(done, self.s.token_budget):
                     submit(group, rest)
-            tasks.closed.set()
+            tasks.close()
             while helps and self._help(step, tasks):
                 pass
             self.pool.join()
@@ -291,7 +297,7 @@ class Pooled(Strategy):
         tasks, old_logprob, ref_logprob = TaskQueue(), self._replica_logprobs(step), self._replica_ref_logprobs()
         results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob, ref_logprob))
                    for g in _by_length(gen.samples, self.s.token_budget)]
-        tasks.closed.set()
+        tasks.close()
         self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks,
                       release_when_idle=self.elastic)
         if self.elastic:

@@ -20,7 +20,6 @@ as two processes; forward+backward alone on 32 x 100 tokens reached 1.95x as two
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -39,16 +38,29 @@ POLL_S = 0.002  # how long an idle worker waits for a task before looking at its
 
 
 class TaskQueue:
-    """Inference tasks (callables) for whichever thread is free; ``close`` ends the step's supply."""
+    """Inference tasks (callables) for whichever thread is free; ``close`` ends the step's supply.
+
+    A thread blocked in ``take`` wakes the moment a task arrives or the queue is closed, so the
+    threads that carry the step's last tasks end with it rather than at their next timeout.
+    """
 
     def __init__(self) -> None:
-        self._q: queue.Queue = queue.Queue()
-        self.closed = threading.Event()
+        self._tasks: deque[tuple[Callable[[], object], Future]] = deque()
+        self._cv = threading.Condition()
+        self.closed = threading.Event()  # read it; end the supply with ``close``
 
     def submit(self, fn: Callable[[], object]) -> Future:
         fut: Future = Future()
-        self._q.put((fn, fut))
+        with self._cv:
+            self._tasks.append((fn, fut))
+            self._cv.notify()
         return fut
+
+    def close(self) -> None:
+        """No more tasks come this step: threads waiting in ``take`` return at once."""
+        with self._cv:
+            self.closed.set()
+            self._cv.notify_all()
 
     def run_one(self, timeout: float = 0.0) -> bool:
         """Run one pending task on this thread; False when none came within ``timeout``."""
@@ -59,18 +71,19 @@ class TaskQueue:
         return True
 
     def take(self, timeout: float = 0.0) -> tuple[Callable[[], object], Future] | None:
-        """The next pending task (``run_task`` runs it), or None when none came within ``timeout``."""
-        try:
-            return self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
-        except queue.Empty:
-            return None
+        """The next pending task (``run_task`` runs it), or None when none came within ``timeout`` or the
+        queue is closed and empty."""
+        with self._cv:
+            if timeout > 0:
+                self._cv.wait_for(lambda: self._tasks or self.closed.is_set(), timeout)
+            return self._tasks.popleft() if self._tasks else None
 
     def empty(self) -> bool:
-        return self._q.empty()
+        return not self._tasks
 
     def pending(self) -> int:
-        """Tasks waiting for a thread (approximate while threads take them)."""
-        return self._q.qsize()
+        """Tasks waiting for a thread."""
+        return len(self._tasks)
 
 
 def run_task(task: tuple[Callable[[], object], Future]) -> None:
@@ -223,7 +236,7 @@ class RolloutPool:
             self._work(i, step, on_sample, tasks, release_when_idle)
         except BaseException as e:  # noqa: BLE001 - kept for the controller, which raises it (check_alive)
             self.errors[i] = e
-            tasks.closed.set()  # the step is lost: the other workers finish what they hold and end
+            tasks.close()  # the step is lost: the other workers finish what they hold and end
             with self._live_lock:
                 self.live.pop(i, None)
         finally:

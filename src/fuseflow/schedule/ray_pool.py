@@ -36,7 +36,7 @@ from fuseflow.rollout.base import RolloutRequest, Sample
 from .pool import TaskQueue, run_task
 
 DISPATCHERS = 2  # controller threads that carry inference tasks to the inference groups
-TAKE_S = 0.05  # how long an idle dispatcher blocks on the task queue before it checks for the step's end
+TAKE_S = 0.05  # longest an idle dispatcher blocks on the task queue (a task or its closing wakes it at once)
 
 
 class RayRolloutPool:
@@ -159,7 +159,7 @@ class RayRolloutPool:
                     on_sample(i, s)
         except BaseException as e:  # noqa: BLE001 - the controller raises it (check_alive)
             self.errors[i] = e
-            tasks.closed.set()  # the step is lost: dispatchers finish what they hold and end
+            tasks.close()  # the step is lost: dispatchers finish what they hold and end
         finally:
             with self._lock:
                 self.live[i] -= 1
