@@ -436,15 +436,15 @@ class _StubGroup:
         return start
 
 
-def _stub_strategy(cls, log, fail=False, ranks=1):
-    from types import SimpleNamespace
+def _stub_updates(cls, log, fail=False, ranks=1):
+    """The update runner a pooled mode ``cls`` builds, over stub groups and a 2-worker pool that lends 2 cores."""
+    from fuseflow.schedule.updates import Updates
 
     actor, critic = _StubGroup("actor", log, fail, ranks), _StubGroup("critic", log, ranks=ranks)
-    s = object.__new__(cls)
-    s.tracer, s.train_tracks, s.infer_track = Tracer(), {}, 3
-    s.pool = type("Pool", (), {"__len__": lambda self: 2, "lendable_cores": lambda self: {"node-a": 2}})()
-    s.stages = SimpleNamespace(roles=SimpleNamespace(actor=actor, critics=[critic]))
-    return s, {"critic_update": critic.starter(), "actor_update": actor.starter()}
+    pool = type("Pool", (), {"__len__": lambda self: 2, "lendable_cores": lambda self: {"node-a": 2}})()
+    runner = Updates(Tracer(), [actor, critic], pool, 4, side_by_side=cls.fused or cls.asynchronous,
+                     beside_generation=cls.asynchronous)
+    return runner, {"critic_update": critic.starter(), "actor_update": actor.starter()}
 
 
 @pytest.mark.parametrize("mode", ["sequential", "fused"])
@@ -454,8 +454,8 @@ def test_updates_lend_replica_cores_in_order_and_start_side_by_side_calls_beside
     from fuseflow.schedule.modes import MODES
 
     log: list = []
-    s, updates = _stub_strategy(MODES[mode], log)
-    out = s.train(1, updates)
+    s, updates = _stub_updates(MODES[mode], log)
+    out = s.run(1, updates)
     assert out == {"critic_update": {"critic/loss": 1.0}, "actor_update": {"actor/loss": 1.0}}
     starts = sorted(e for e in log if e[1] == "start")
     lends = [e for e in log if e[1] == "lend"]
@@ -473,8 +473,8 @@ def test_updates_on_several_ranks_go_out_in_one_order_even_when_fused():
     from fuseflow.schedule.modes import MODES
 
     log: list = []
-    s, updates = _stub_strategy(MODES["fused"], log, ranks=2)
-    s.train(1, updates)
+    s, updates = _stub_updates(MODES["fused"], log, ranks=2)
+    s.run(1, updates)
     assert [e for e in log if e[1] == "start"] == [("critic", "start", False), ("actor", "start", False)]
 
 
@@ -482,7 +482,7 @@ def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():
     from fuseflow.schedule.modes import MODES
 
     log: list = []
-    s, updates = _stub_strategy(MODES["sequential"], log, fail=True)
+    s, updates = _stub_updates(MODES["sequential"], log, fail=True)
     with pytest.raises(FloatingPointError, match="actor diverged"):
-        s.train(1, updates)
+        s.run(1, updates)
     assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2})]

@@ -43,10 +43,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fuseflow.controller.group import Future as GroupFuture
-from fuseflow.controller.group import background, beside
+from fuseflow.controller.group import background
 from fuseflow.data.batch import Batch
 from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
 from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate, trigger_count
@@ -59,8 +57,9 @@ from .elastic import ReplicaChooser
 from .pending import load_pending, save_pending
 from .pool import RolloutPool, TaskQueue
 from .ray_pool import RayRolloutPool
-from .stages import FROZEN, Generated, Stages, field_of, overlap
+from .stages import FROZEN, Generated, Stages, field_of
 from .staleness import check_staleness, min_version_for, staleness_metrics
+from .updates import Updates
 
 WAIT_S = 600.0  # longest wait for one sample before the step is declared stuck
 __all__ = ["MODES", "SPAN_OF", "Sequential", "Strategy", "Pooled", "available_cores", "make_strategy",
@@ -85,6 +84,9 @@ class Pooled(Strategy):
             self.pool: RolloutPool | RayRolloutPool = RayRolloutPool(stages.roles.rollout, stages.roles.actor,
                                                                      self.tracer, first_track=1)
         else:  # async decodes while the actor trains, so the rollout needs weights of its own
+            # The model builders, imported only where the workers are threads of this process.
+            from fuseflow.workers.build import engine_factory
+
             model = stages.roles.actor.rollout_model(copy=self.asynchronous)
             self.pool = RolloutPool(model, s.rollout_workers, EngineConfig(r.max_num_seqs, r.kv_budget_tokens),
                                     stages.tokenizer, self.tracer, first_track=1, make_engine=engine_factory(cfg))
@@ -95,7 +97,9 @@ class Pooled(Strategy):
         self.version = start_step  # policy version the rollout holds
         self.prefetch: tuple[int, Future, int] | None = None  # (step, result, stream cursor before its draw)
         self.history: list[list[int]] = []  # response lengths of earlier steps (auto threshold)
-        self.train_tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
+        self.updates = Updates(self.tracer, [stages.roles.actor, *stages.roles.critics], self.pool,
+                               self.infer_track + 1, side_by_side=self.fused or self.asynchronous,
+                               beside_generation=self.asynchronous)
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
@@ -348,70 +352,9 @@ class Pooled(Strategy):
 
     # ------------------------------------------------------------------ training
     def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
-        """Run the step's updates (name -> starter of a group call); their results by name.
-
-        Fused and async modes with several updates (PPO's actor and critic) run every update
-        but the last (the actor's) on a thread of its own, the last on the controller thread:
-        the models never touch each other's parameters and the mini-batch shuffles are seeded
-        per update, so results equal the one-after-another order. On Ray those threads start
-        their calls ``beside()``, so roles colocated in one process train at the same time there
-        too; roles on several ranks (collectives on their pool's group) are started in one order
-        instead, as in ``sequential``. ``sequential`` and ``elastic`` keep that order (verl's),
-        with each update on the cores of all rollout workers (they are idle then: this process's
-        threads, or lent to the roles' processes on Ray), as does ``fused`` with a single update
-        (GRPO); ``async`` with a single update trains on one core alone, beside the next step's
-        generation. Measured on the fusion benchmark (docs/benchmarks.md): async PPO with its
-        updates side by side 121-125 samples/s, one after the other on one thread 90-92.
-        """
-        trainers = [self.stages.roles.actor, *self.stages.roles.critics]
-        # Roles on several Ray ranks run collectives on their pool's process group: their updates go out
-        # in one order from this thread, so every process runs them in the same order (``overlap``).
-        side_by_side = ((self.fused or self.asynchronous) and len(updates) > 1
-                        and all(g.runs_beside for g in trainers))
-        if self.asynchronous and not side_by_side:
-            return overlap(self.tracer, step, updates)  # one core trains, the others generate the next step
-        if not side_by_side:
-            # Nothing else runs now: each update gets the idle rollout workers' cores as intra-op
-            # threads (verl trains each model on all devices, one model after the other).
-            own = torch.get_num_threads()
-            torch.set_num_threads(update_threads(own, len(self.pool)))
-            lent = self.pool.lendable_cores()
-            for g in trainers:
-                g.lend_threads(lent)
-            try:
-                out = overlap(self.tracer, step, updates)
-            finally:
-                torch.set_num_threads(own)
-            for g in trainers:  # not after a failed update: its error, not this call's, reaches the user
-                g.lend_threads({})
-            return out
-        names = list(updates)
-        results: dict[str, Future] = {name: Future() for name in names}
-        threads = []
-        for name in names[:-1]:
-            if name not in self.train_tracks:  # a thread's track is named once, when first used
-                self.train_tracks[name] = self.infer_track + 1 + len(self.train_tracks)
-                self.tracer.name_track(self.train_tracks[name], f"training-{name.removesuffix('_update')}")
-            track = self.train_tracks[name]
-            threads.append(threading.Thread(target=self._run_update, args=(step, name, updates[name], track,
-                                                                           results[name], True), daemon=True,
-                                            name=f"train-{name}"))
-        for th in threads:
-            th.start()
-        self._run_update(step, names[-1], updates[names[-1]], 0, results[names[-1]])
-        for th in threads:
-            th.join()
-        return {name: results[name].result() for name in names}  # re-raises a failed update's error
-
-    def _run_update(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future,
-                    side: bool = False) -> None:
-        with self.tracer.span(name, step, track=track):
-            try:
-                with beside() if side else nullcontext():
-                    future = start()
-                out.set_result(future.result())
-            except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
-                out.set_exception(e)
+        """Run the step's updates (name -> starter of a group call); their results by name. Side by side
+        in fused and async modes, else one after the other on every idle core (``schedule.updates``)."""
+        return self.updates.run(step, updates)
 
     # ------------------------------------------------------------------ bookkeeping
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -502,15 +445,6 @@ def make_strategy(stages: Stages, resumed_from: Path | None = None, start_step: 
     if s.mode == "sequential" and s.rollout_workers == 1 and stages.roles.rollout is None:
         return Sequential(stages)
     return MODES[s.mode](stages, resumed_from, start_step)
-
-
-def engine_factory(cfg) -> Callable[[torch.nn.Module], Any] | None:
-    """How the pool makes a rollout worker's engine: None (fuseflow's engine) unless rollout.backend=vllm."""
-    if cfg.rollout.backend != "vllm":
-        return None
-    from fuseflow.workers.build import rollout_backend
-
-    return lambda model: rollout_backend(cfg, model, None)
 
 
 def _by_length(samples: list[Sample], budget: int) -> list[list[Sample]]:

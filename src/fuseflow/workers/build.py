@@ -80,6 +80,15 @@ def rollout_backend(cfg: Config, model: CausalLM, tokenizer):
 _FROZEN_BASES: dict[tuple[str, int], CausalLM] = {}
 
 
+
+def engine_factory(cfg: Config):
+    """How the local rollout pool makes a worker's engine over a model: None (fuseflow's engine) unless
+    rollout.backend=vllm."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    return lambda model: rollout_backend(cfg, model, None)
+
+
 def _shard(plain: torch.nn.Module, device: torch.device, dist: DistInfo) -> torch.nn.Module:
     """The model the optimizer trains: FSDP shards of a copy when dp > 1, else ``plain`` itself
     (also for a LoRA policy, which trains replicated: see ``workers.parallel``)."""

@@ -1,0 +1,99 @@
+"""How a pooled strategy runs a step's updates: one after the other on every idle core, or side by side.
+
+``Pooled.train`` (``fuseflow.schedule.modes``) hands the step's updates here (name -> starter of a
+group call). Fused and async modes with several updates (PPO's actor and critic) run every update
+but the last (the actor's) on a thread of its own and the last on the controller thread: the models
+never touch each other's parameters and the mini-batch shuffles are seeded per update, so results
+equal the one-after-another order. On Ray those threads start their calls ``beside()``, so roles
+colocated in one process train at the same time there too; roles on several ranks (collectives on
+their pool's group) are started in one order instead, as in ``sequential``. ``sequential`` and
+``elastic`` keep that order (verl's), with each update on the cores of all rollout workers (they are
+idle then: this process's threads, or lent to the roles' processes on Ray), as does ``fused`` with a
+single update (GRPO); ``async`` with a single update trains on one core alone, beside the next step's
+generation. Measured on the fusion benchmark (docs/benchmarks.md): async PPO with its updates side
+by side 121-125 samples/s, one after the other on one thread 90-92.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from fuseflow.controller.group import Future as GroupFuture
+from fuseflow.controller.group import WorkerGroup, beside
+
+from .base import update_threads
+from .stages import overlap
+
+
+class Updates:
+    """A pooled strategy's update runner.
+
+    ``trainers``: the groups that train (actor, critics); ``pool``: the rollout pool (its size and the
+    cores it lends); ``first_track``: the trace track of the first side thread; ``side_by_side``: the
+    mode may train several models at once (fused, async); ``beside_generation``: a single update
+    trains beside the next step's generation (async), so it takes no lent cores.
+    """
+
+    def __init__(self, tracer, trainers: list[WorkerGroup], pool, first_track: int, side_by_side: bool,
+                 beside_generation: bool):
+        self.tracer, self.trainers, self.pool = tracer, trainers, pool
+        self.first_track, self.side_by_side, self.beside_generation = first_track, side_by_side, beside_generation
+        self.tracks: dict[str, int] = {}  # update name -> trace track of the thread that runs it
+
+    def run(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
+        """Run the step's updates; their results by name (a failed update's error is raised)."""
+        # Roles on several Ray ranks run collectives on their pool's process group: their updates go out
+        # in one order from this thread, so every process runs them in the same order (``overlap``).
+        side_by_side = self.side_by_side and len(updates) > 1 and all(g.runs_beside for g in self.trainers)
+        if self.beside_generation and not side_by_side:
+            return overlap(self.tracer, step, updates)  # one core trains, the others generate the next step
+        if not side_by_side:
+            return self._in_order(step, updates)
+        names = list(updates)
+        results: dict[str, Future] = {name: Future() for name in names}
+        threads = []
+        for name in names[:-1]:
+            if name not in self.tracks:  # a thread's track is named once, when first used
+                self.tracks[name] = self.first_track + len(self.tracks)
+                self.tracer.name_track(self.tracks[name], f"training-{name.removesuffix('_update')}")
+            threads.append(threading.Thread(target=self._one, args=(step, name, updates[name], self.tracks[name],
+                                                                    results[name], True), daemon=True,
+                                            name=f"train-{name}"))
+        for th in threads:
+            th.start()
+        self._one(step, names[-1], updates[names[-1]], 0, results[names[-1]])
+        for th in threads:
+            th.join()
+        return {name: results[name].result() for name in names}
+
+    def _in_order(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
+        """Nothing else runs now: each update gets the idle rollout workers' cores as intra-op threads
+        (verl trains each model on all devices, one model after the other)."""
+        own = torch.get_num_threads()
+        torch.set_num_threads(update_threads(own, len(self.pool)))
+        lent = self.pool.lendable_cores()
+        for g in self.trainers:
+            g.lend_threads(lent)
+        try:
+            out = overlap(self.tracer, step, updates)
+        finally:
+            torch.set_num_threads(own)
+        for g in self.trainers:  # not after a failed update: its error, not this call's, reaches the user
+            g.lend_threads({})
+        return out
+
+    def _one(self, step: int, name: str, start: Callable[[], GroupFuture], track: int, out: Future,
+             side: bool = False) -> None:
+        with self.tracer.span(name, step, track=track):
+            try:
+                with beside() if side else nullcontext():
+                    future = start()
+                out.set_result(future.result())
+            except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
+                out.set_exception(e)
