@@ -147,7 +147,7 @@ def test_a_thread_waiting_for_a_task_wakes_when_one_arrives_or_the_queue_closes(
     tasks.close()
     waiter.join(5.0)
     assert not waiter.is_alive() and got[1] is None and time.perf_counter() - t0 < 1.0
-    assert tasks.closed.is_set() and tasks.empty()
+    assert tasks.closed and tasks.empty()
 
 
 def test_migrated_samples_keep_their_tokens():

@@ -47,7 +47,7 @@ class TaskQueue:
     def __init__(self) -> None:
         self._tasks: deque[tuple[Callable[[], object], Future]] = deque()
         self._cv = threading.Condition()
-        self.closed = threading.Event()  # read it; end the supply with ``close``
+        self._closed = False
 
     def submit(self, fn: Callable[[], object]) -> Future:
         fut: Future = Future()
@@ -59,7 +59,7 @@ class TaskQueue:
     def close(self) -> None:
         """No more tasks come this step: threads waiting in ``take`` return at once."""
         with self._cv:
-            self.closed.set()
+            self._closed = True
             self._cv.notify_all()
 
     def run_one(self, timeout: float = 0.0) -> bool:
@@ -75,8 +75,13 @@ class TaskQueue:
         queue is closed and empty."""
         with self._cv:
             if timeout > 0:
-                self._cv.wait_for(lambda: self._tasks or self.closed.is_set(), timeout)
+                self._cv.wait_for(lambda: self._tasks or self._closed, timeout)
             return self._tasks.popleft() if self._tasks else None
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (tasks queued before it may still wait)."""
+        return self._closed
 
     def empty(self) -> bool:
         return not self._tasks
@@ -258,7 +263,7 @@ class RolloutPool:
                             on_sample(i, s)
                 continue
             with self._live_lock:  # leaving and migrate's hand-over are atomic: no sample is left unrun
-                if (tasks.empty() and (release_when_idle or tasks.closed.is_set())
+                if (tasks.empty() and (release_when_idle or tasks.closed)
                         and not engine.has_unfinished()):
                     self.live.pop(i, None)
                     return

@@ -174,7 +174,7 @@ class RayRolloutPool:
             while True:
                 task = tasks.take(TAKE_S)
                 if task is None:
-                    if tasks.closed.is_set() and tasks.empty():
+                    if tasks.closed and tasks.empty():
                         return
                     continue
                 with self._lock:
