@@ -15,18 +15,22 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from fuseflow.config_checks import check_all
-from fuseflow.config_tree import ConfigError, parse_override, read_config_file, set_path
+from fuseflow.config_dist import (
+    ActorScale,
+    CriticScale,
+    PlacementConfig,
+    PoolConfig,
+    RayConfig,
+    RoleScale,
+    ScheduleConfig,
+)
+from fuseflow.config_tree import ConfigError, Section, parse_override, read_config_file, set_path
 
 
-class _Section(BaseModel):
-    # extra="forbid" turns a typo in a key into an error instead of a silent default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TaskConfig(_Section):
+class TaskConfig(Section):
     name: Literal["arith", "safe_arith", "sort", "pref", "file", "reasoning_gym"] = "arith"
     seed: int = 1234  # data generation seed, separate from the training seed
     train_size: int = Field(20000, gt=0)
@@ -68,7 +72,7 @@ class TaskConfig(_Section):
         return self
 
 
-class LoraSection(_Section):
+class LoraSection(Section):
     """LoRA on the policy (peft's conventions); only the adapters train, the reference is the frozen base."""
 
     enabled: bool = False
@@ -94,7 +98,7 @@ class LoraSection(_Section):
         return self
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     size: Literal["tiny", "small"] = "tiny"
     # Start from a pretrained model instead of a size preset: a Hugging Face directory, a .gguf file
     # (converted once into cache_dir/gguf) or a named model (smollm2-135m); see fuseflow.models.source.
@@ -106,7 +110,7 @@ class ModelSection(_Section):
     lora: LoraSection = LoraSection()
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     enabled: bool = True
     max_steps: int = Field(4000, gt=0)
     batch_size: int = Field(64, gt=0)
@@ -132,7 +136,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     name: Literal["ppo", "grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_ppo"] = "grpo"
     group_size: int = Field(8, gt=0)  # samples per prompt
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -190,7 +194,7 @@ class AlgorithmConfig(_Section):
         return data
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     # engine (default): continuous batching with a paged KV cache and shared prefixes
     # (fuseflow.rollout.engine); sampler: the foundation's static-batch sampler; hf: plain
     # transformers `generate` (for comparison); vllm: vLLM's LLMEngine (docs/vllm.md; `make vllm` on CPU).
@@ -208,7 +212,7 @@ class RolloutConfig(_Section):
     pipeline_stages: int = Field(1, ge=1, le=2)
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     steps: int = Field(60, gt=0)
     prompts_per_step: int = Field(32, gt=0)
     mini_batch_size: int = Field(128, gt=0)  # samples per optimizer step
@@ -254,7 +258,7 @@ class TrainerConfig(_Section):
         return self
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     # A directory written by `fuseflow train-rm`: its Bradley-Terry score (standardised on its training
     # responses) becomes the reward, times model_weight, plus fn_weight times the task's reward function.
     model: str | None = None
@@ -281,7 +285,7 @@ class RewardConfig(_Section):
         return data
 
 
-class RewardModelTrainConfig(_Section):
+class RewardModelTrainConfig(Section):
     """`fuseflow train-rm`: a Bradley-Terry reward model on preference pairs."""
 
     data: str | None = None  # .jsonl/.parquet with prompt, chosen, rejected; None: synthetic pairs from task.name=pref
@@ -298,114 +302,7 @@ class RewardModelTrainConfig(_Section):
     eval_every: int = Field(100, gt=0)
 
 
-class RayConfig(_Section):
-    # "auto" or "HOST:PORT" joins a cluster started with `ray start --head`; None starts a local
-    # one for the run (and shuts it down after).
-    address: str | None = None
-    num_cpus: int | None = Field(None, gt=0)  # local cluster's CPU slots; default: enough for the pools
-    start_timeout_s: float = Field(120.0, gt=0)  # joining, placing the pools, starting workers and groups
-    collective_timeout_s: float = Field(300.0, gt=0)  # one collective (all-reduce, FSDP gather) before it fails
-
-
-class PoolConfig(_Section):
-    """A resource pool: ``nodes x workers_per_node`` worker processes (see fuseflow.controller.placement)."""
-
-    nodes: int = Field(1, ge=1)
-    workers_per_node: int | None = Field(None, ge=1)  # default: the largest dp of the roles placed on it
-    cpus_per_worker: float = Field(1.0, gt=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
-
-
-class PlacementConfig(_Section):
-    """Role -> pool name. Roles on one pool share its processes (colocated); other pools run beside it."""
-
-    actor: str = "main"  # the policy and its rollout engine
-    reference: str = "main"
-    critic: str = "main"  # also safe_ppo's cost critic
-    reward: str = "main"  # the reward function and reward model (reward.dp workers)
-    # backend=ray: the pool whose bundles hold the rollout replica processes (schedule.rollout_workers of
-    # them, each with its own engine and weights copy); needed by every mode but one-worker sequential.
-    rollout: str | None = None
-
-
-class ActorScale(_Section):
-    dp: int = Field(1, ge=1)  # data-parallel workers (FSDP shards over them); >1 needs backend=ray
-    # Pipeline stages of the training step (one process each, schedule/pipeline/); 1: no pipeline.
-    pp: int = Field(1, ge=1)
-    pp_split: list[int] | None = None  # decoder layers per stage; None: balanced by parameter count
-
-
-class RoleScale(_Section):
-    dp: int | None = Field(None, ge=1)  # None: the same as actor.dp
-
-
-class CriticScale(RoleScale):
-    # Pipeline stages of the critic's training; with actor.pp > 1 it must equal actor.pp (PPO trains both
-    # on the same stage processes with a fused schedule, the critic's stages in the opposite direction).
-    pp: int = Field(1, ge=1)
-
-
-class ScheduleConfig(_Section):
-    """How the steps of one RL iteration execute (``fuseflow.schedule``); the algorithm is unchanged.
-
-    sequential: verl's order. fused: samples go to inference as they finish while generation
-    goes on, and the long tail migrates onto fewer rollout workers. async: generation for step
-    t+1 overlaps training of step t, at most ``max_staleness`` versions behind (the decoupled
-    loss is then the default). Generation runs one step ahead, so samples are at most one
-    version old: a bound above 1 is respected but does not prefetch further. elastic
-    (RLHFless): each step uses as many of the ``rollout_workers`` as the cost-aware rule picks
-    from predicted response lengths, deals prompts to them by predicted length and releases
-    each as soon as it has no work. fused+async, fused+elastic: both.
-    """
-
-    mode: Literal["sequential", "fused", "async", "fused+async", "elastic", "fused+elastic"] = "sequential"
-    max_staleness: int = Field(1, ge=0)  # async: versions a trained-on sample may lag the trained policy
-    # fused: migrate the tail once unfinished samples <= this fraction of the batch; "auto" picks it from
-    # the previous steps' response lengths (fuseflow.policy.migration.auto_threshold).
-    migration_threshold: float | Literal["auto"] = 0.2
-    # Padded tokens (rows x widest row) per inference and training forward; rows are grouped by length
-    # and trimmed, so a long-tailed batch wastes little compute on padding.
-    token_budget: int = Field(4096, gt=0)
-    # Scoring and training forwards run each distinct prompt of a micro-batch once and its responses,
-    # unpadded, against the prompt's cached keys and values, where that saves at least a quarter of the
-    # tokens (GRPO's groups, long-tailed responses; fuseflow.workers.common.shared_prompts).
-    shared_prefix: bool = True
-    rollout_workers: int = Field(1, ge=1)  # engines that generate side by side (one thread each); elastic's most
-    # elastic: the cheapest replica count whose step is at most (1 + elastic_slowdown) x the fastest count's.
-    elastic_slowdown: float = Field(0.1, ge=0.0)
-    # elastic: a prompt's predicted response length is the mean of its last predictor_window observations
-    # (one per step it was drawn in); a prompt never seen gets the last step's mean length.
-    predictor_window: int = Field(4, ge=1)
-    # actor.pp > 1: seconds the pipeline solver may search for each new (actor, critic) micro-batch count
-    # pair (schedules are cached per pair), and a hard cap on each stage's peak activation memory in
-    # micro-batches held (None: the solver minimises it without a cap; a cap trades makespan for memory).
-    pipeline_solver_seconds: float = Field(10.0, gt=0)
-    pipeline_memory_cap: float | None = Field(None, ge=1.0)
-
-    @model_validator(mode="after")
-    def _threshold_is_a_fraction(self) -> ScheduleConfig:
-        t = self.migration_threshold
-        if t != "auto" and not 0.0 < t < 1.0:
-            raise ValueError(f"schedule.migration_threshold={t} must be a fraction in (0, 1) or 'auto'")
-        if self.elastic and self.rollout_workers < 2:
-            raise ValueError(f"schedule.mode={self.mode} chooses how many rollout workers each step uses; it needs "
-                             f"schedule.rollout_workers >= 2 (got {self.rollout_workers})")
-        return self
-
-    @property
-    def fused(self) -> bool:
-        return self.mode.split("+")[0] == "fused"
-
-    @property
-    def asynchronous(self) -> bool:
-        return "async" in self.mode.split("+")
-
-    @property
-    def elastic(self) -> bool:
-        return "elastic" in self.mode.split("+")
-
-
-class Config(_Section):
+class Config(Section):
     preset: str = "default"
     seed: int = 0
     device: str = "auto"

@@ -11,6 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """Base of every config section: frozen, and a key it does not know is an error."""
+
+    # extra="forbid" turns a typo in a key into an error instead of a silent default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ConfigError(ValueError):
