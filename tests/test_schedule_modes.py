@@ -486,3 +486,31 @@ def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():
     with pytest.raises(FloatingPointError, match="actor diverged"):
         s.run(1, updates)
     assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2})]
+
+
+def test_a_replica_scores_again_once_its_log_probs_are_ready_not_when_they_are_collected():
+    """A dispatcher collects a replica's log-probs only after the micro-batch's reward returns from the
+    roles' process; the replica must take the next micro-batch before that, and bill only its compute."""
+    import threading as th
+    from concurrent.futures import Future as CFuture
+    from types import SimpleNamespace
+
+    from fuseflow.schedule.ray_pool import _Scored
+
+    class Ref:
+        def __init__(self):
+            self.fut = CFuture()
+
+        def future(self):
+            return self.fut
+
+    ref = Ref()
+    pool = SimpleNamespace(_lock=th.Lock(), _scoring={1}, held=[], tracer=Tracer(), tracks=[1, 2], scored=0,
+                           scored_ref=0, replicas=SimpleNamespace(get=lambda i, r, m: (torch.ones(1, 2).numpy(), 0.1)))
+    scored = _Scored(pool, 1, step=3, ref=ref)
+    assert pool._scoring == {1} and not pool.held  # computing
+    ref.fut.set_result(None)  # Ray has the result; nobody collected it yet
+    assert pool._scoring == set() and len(pool.held) == 1
+    assert [e["name"] for e in pool.tracer.events] == ["inference"]
+    assert scored.result().tolist() == [[1.0, 1.0]] and pool.scored == 1
+    assert len(pool.held) == 1 and len(pool.tracer.events) == 1  # billed and traced once

@@ -243,13 +243,28 @@ class RayRolloutPool:
 
 
 class _Scored(Future):
-    """A replica's log-probs in flight; the replica is free to score again once it is collected."""
+    """A replica's log-probs in flight. The replica is free to score again the moment its result is
+    ready, not when the caller collects it: a dispatcher collects only after the micro-batch's other
+    calls (its reward, in the roles' background lane) have returned, which can be long after."""
 
     def __init__(self, pool: RayRolloutPool, i: int, step: int, ref, reference: bool = False):
         self.pool, self.i, self.step, self.ref, self.reference = pool, i, step, ref, reference
         self.refs = [ref]
         self._value: tuple | None = None
         self.t0 = time.perf_counter()
+        self._freed = threading.Event()
+        ref.future().add_done_callback(lambda _f: self._free())
+
+    def _free(self) -> None:
+        """Runs once (on Ray's callback thread, or in ``result``): the replica takes work again."""
+        with self.pool._lock:
+            if self._freed.is_set():
+                return
+            self._freed.set()
+            self.pool._scoring.discard(self.i)
+        t1 = time.perf_counter()
+        self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
+        self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
 
     def done(self) -> bool:
         import ray
@@ -261,11 +276,7 @@ class _Scored(Future):
             try:
                 out, _seconds = self.pool.replicas.get(self.i, self.ref, "compute_logprobs")
             finally:
-                with self.pool._lock:
-                    self.pool._scoring.discard(self.i)
-                t1 = time.perf_counter()
-                self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
-                self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
+                self._free()
             if self.reference:
                 self.pool.scored_ref += 1
             else:
