@@ -242,6 +242,10 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
     mean_step = seq["samples_per_step"] / seq["samples_per_second"]  # what samples/s, and so each ratio, uses
     assert out["speedup_bound"] == pytest.approx(mean_step * out["cores"] / least)
+    if out["speedup_bound"] > 1:  # the share of the bound's room each mode took
+        assert fused["room_captured"] == pytest.approx((fused["speedup_vs_sequential"] - 1)
+                                                       / (out["speedup_bound"] - 1), abs=1e-5)
+        assert seq["room_captured"] == 0.0
     # fused+elastic trains like sequential, so its rewards match step for step
     assert fused["reward_per_step"] == seq["reward_per_step"]
     # Worker-seconds: sequential holds both workers for its whole (timed) step; elastic only while they work.
@@ -261,6 +265,14 @@ def test_speedup_bound_spreads_the_least_cpu_work_over_the_cores():
     assert speedup_bound(modes, 2) == pytest.approx(2.0 / 1.6)  # fused's 3.2 CPU-s on 2 cores: 1.6 s a step
     assert speedup_bound(modes, 4) == pytest.approx(2.0 / 0.8)
     assert speedup_bound({"fused": modes["fused"]}, 2) is None  # nothing to compare against
+
+
+def test_room_captured_is_the_share_of_the_bounds_gain():
+    from fuseflow.bench.fusion import room_captured
+
+    assert room_captured(1.15, 1.3) == pytest.approx(0.5)
+    assert room_captured(0.97, 1.3) == pytest.approx(-0.1)  # slower than sequential
+    assert room_captured(1.1, 1.0) is None  # the bound leaves no room
 
 
 @pytest.mark.parametrize("mode,want,side_by_side", [("sequential", 2, False), ("async", 1, True)])

@@ -30,7 +30,8 @@ spent in calls (``time/worker_compute``: updates, critic values, the reward, and
 replicas did not take). Where the roles share one process of one slot (the default here), those calls
 run one at a time, so no schedule on that placement makes a step shorter than the least of them:
 ``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
-``speedup_bound`` (which assumes the least CPU work spreads over every core). ``speedup_vs_trl`` comes from
+``speedup_bound`` (which assumes the least CPU work spreads over every core). ``room_captured`` per mode is
+``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -151,6 +152,18 @@ def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
     return seq["samples_per_step"] / seq["samples_per_second"] / (least / cores)
 
 
+def room_captured(speedup: float, bound: float) -> float | None:
+    """The share of the gain the bound leaves room for that a mode took: ``(speedup - 1) / (bound - 1)``
+    (issue 17's targets are stated in it); None when the bound leaves no room.
+
+    >>> room_captured(1.1, 1.25)
+    0.4
+    """
+    if bound <= 1.0:
+        return None
+    return round((speedup - 1.0) / (bound - 1.0), 6)
+
+
 def speedup_bound_placement(modes: dict[str, dict]) -> float | None:
     """Upper bound on any schedule's speedup over ``sequential`` when the roles' calls run one at a time
     (one roles process): sequential's mean step over the least roles-busy seconds per step of any mode.
@@ -248,6 +261,9 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
+        for r in results.values():
+            if (room := room_captured(r["speedup_vs_sequential"], bound)) is not None:
+                r["room_captured"] = room
     placed = speedup_bound_placement(results) if backend == "ray" else None
     if placed is not None:
         out["speedup_bound_placement"] = placed
@@ -298,6 +314,10 @@ def register(bench_app) -> None:
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
+            rooms = [f"{n} {r['room_captured']:.2f}" for n, r in result["modes"].items()
+                     if n != "sequential" and "room_captured" in r]
+            if rooms:
+                console.print(f"share of that room captured: {', '.join(rooms)}", soft_wrap=True)
         if "speedup_bound_placement" in result:
             console.print(f"with the roles' calls one at a time (one roles process): at most "
                           f"x{result['speedup_bound_placement']:.2f}", soft_wrap=True)
