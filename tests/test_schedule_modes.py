@@ -5,7 +5,6 @@ import json
 import os
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -132,22 +131,6 @@ def test_async_samples_respect_the_staleness_bound(tmp_path, sft_cache, monkeypa
         if step > 1:  # generated during the previous step's training, by the policy before it
             assert set(ages) == {1}
         assert metrics[step - 1]["async/staleness_max"] == max(ages)
-
-
-def test_a_thread_waiting_for_a_task_wakes_when_one_arrives_or_the_queue_closes():
-    tasks, got = TaskQueue(), []
-    waiter = threading.Thread(target=lambda: got.append(tasks.take(30.0)))
-    waiter.start()
-    tasks.submit(lambda: 1)
-    waiter.join(5.0)
-    assert not waiter.is_alive() and got[0] is not None
-    waiter = threading.Thread(target=lambda: got.append(tasks.take(30.0)))
-    waiter.start()
-    t0 = time.perf_counter()
-    tasks.close()
-    waiter.join(5.0)
-    assert not waiter.is_alive() and got[1] is None and time.perf_counter() - t0 < 1.0
-    assert tasks.closed and tasks.empty()
 
 
 def test_migrated_samples_keep_their_tokens():
@@ -426,103 +409,3 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
     finally:
         release.set()
         tr.close()
-
-
-class _StubGroup:
-    """A role's group as ``Pooled.train`` sees it: records lent threads and whether calls start ``beside()``."""
-
-    def __init__(self, name, log, fail=False, ranks=1):
-        self.name, self.log, self.fail, self.runs_beside = name, log, fail, ranks == 1
-
-    def lend_threads(self, cores):
-        self.log.append((self.name, "lend", dict(cores)))
-
-    def starter(self):
-        from fuseflow.controller.group import Done, started_beside
-
-        def start():
-            self.log.append((self.name, "start", started_beside()))
-            if self.fail:
-                raise FloatingPointError(f"{self.name} diverged")
-            return Done({f"{self.name}/loss": 1.0})
-        return start
-
-
-def _stub_updates(cls, log, fail=False, ranks=1):
-    """The update runner a pooled mode ``cls`` builds, over stub groups and a 2-worker pool that lends 2 cores."""
-    from fuseflow.schedule.updates import Updates
-
-    actor, critic = _StubGroup("actor", log, fail, ranks), _StubGroup("critic", log, ranks=ranks)
-    pool = type("Pool", (), {"__len__": lambda self: 2, "lendable_cores": lambda self: {"node-a": 2}})()
-    runner = Updates(Tracer(), [actor, critic], pool, 4, side_by_side=cls.fused or cls.asynchronous,
-                     beside_generation=cls.asynchronous)
-    return runner, {"critic_update": critic.starter(), "actor_update": actor.starter()}
-
-
-@pytest.mark.parametrize("mode", ["sequential", "fused"])
-def test_updates_lend_replica_cores_in_order_and_start_side_by_side_calls_beside(mode):
-    """On Ray the updates run in the roles' processes: in sequential order they get the replicas' cores
-    (lent before, given back after); fused starts every update but the actor's in the ``beside`` lane."""
-    from fuseflow.schedule.modes import MODES
-
-    log: list = []
-    s, updates = _stub_updates(MODES[mode], log)
-    out = s.run(1, updates)
-    assert out == {"critic_update": {"critic/loss": 1.0}, "actor_update": {"actor/loss": 1.0}}
-    starts = sorted(e for e in log if e[1] == "start")
-    lends = [e for e in log if e[1] == "lend"]
-    if mode == "sequential":
-        assert starts == [("actor", "start", False), ("critic", "start", False)]
-        assert lends == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2}),
-                         ("actor", "lend", {}), ("critic", "lend", {})]
-    else:
-        assert starts == [("actor", "start", False), ("critic", "start", True)]
-        assert lends == []
-
-
-def test_updates_on_several_ranks_go_out_in_one_order_even_when_fused():
-    """Ranks of a role share their pool's process group: two threads must not run collectives in one process."""
-    from fuseflow.schedule.modes import MODES
-
-    log: list = []
-    s, updates = _stub_updates(MODES["fused"], log, ranks=2)
-    s.run(1, updates)
-    assert [e for e in log if e[1] == "start"] == [("critic", "start", False), ("actor", "start", False)]
-
-
-def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():
-    from fuseflow.schedule.modes import MODES
-
-    log: list = []
-    s, updates = _stub_updates(MODES["sequential"], log, fail=True)
-    with pytest.raises(FloatingPointError, match="actor diverged"):
-        s.run(1, updates)
-    assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2})]
-
-
-def test_a_replica_scores_again_once_its_log_probs_are_ready_not_when_they_are_collected():
-    """A dispatcher collects a replica's log-probs only after the micro-batch's reward returns from the
-    roles' process; the replica must take the next micro-batch before that, and bill only its compute."""
-    import threading as th
-    from concurrent.futures import Future as CFuture
-    from types import SimpleNamespace
-
-    from fuseflow.schedule.ray_pool import _Scored
-
-    class Ref:
-        def __init__(self):
-            self.fut = CFuture()
-
-        def future(self):
-            return self.fut
-
-    ref = Ref()
-    pool = SimpleNamespace(_lock=th.Lock(), _scoring={1}, held=[], tracer=Tracer(), tracks=[1, 2], scored=0,
-                           scored_ref=0, replicas=SimpleNamespace(get=lambda i, r, m: (torch.ones(1, 2).numpy(), 0.1)))
-    scored = _Scored(pool, 1, step=3, ref=ref)
-    assert pool._scoring == {1} and not pool.held  # computing
-    ref.fut.set_result(None)  # Ray has the result; nobody collected it yet
-    assert pool._scoring == set() and len(pool.held) == 1
-    assert [e["name"] for e in pool.tracer.events] == ["inference"]
-    assert scored.result().tolist() == [[1.0, 1.0]] and pool.scored == 1
-    assert len(pool.held) == 1 and len(pool.tracer.events) == 1  # billed and traced once

@@ -252,15 +252,15 @@ class _Scored(Future):
         self.refs = [ref]
         self._value: tuple | None = None
         self.t0 = time.perf_counter()
-        self._freed = threading.Event()
+        self._freed = False  # read and set under the pool's lock
         ref.future().add_done_callback(lambda _f: self._free())
 
     def _free(self) -> None:
         """Runs once (on Ray's callback thread, or in ``result``): the replica takes work again."""
         with self.pool._lock:
-            if self._freed.is_set():
+            if self._freed:
                 return
-            self._freed.set()
+            self._freed = True
             self.pool._scoring.discard(self.i)
         t1 = time.perf_counter()
         self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores

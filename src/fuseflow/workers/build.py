@@ -80,7 +80,6 @@ def rollout_backend(cfg: Config, model: CausalLM, tokenizer):
 _FROZEN_BASES: dict[tuple[str, int], CausalLM] = {}
 
 
-
 def engine_factory(cfg: Config):
     """How the local rollout pool makes a worker's engine over a model: None (fuseflow's engine) unless
     rollout.backend=vllm."""
