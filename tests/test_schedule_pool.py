@@ -1,5 +1,6 @@
-"""Units of the rollout pools' machinery: the inference task queue's wake-ups, and a Ray replica's
-log-prob call freeing the replica when its result is ready."""
+"""Units of the rollout pools' machinery: the inference task queue's wake-ups, a Ray replica's log-prob
+call freeing the replica when its result is ready, and a replica that comes free taking over log-probs
+still waiting in the roles' lane."""
 
 import threading
 import time
@@ -8,8 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
+from fuseflow.controller.host import Withdrawn, WorkerHost
 from fuseflow.schedule.pool import TaskQueue
-from fuseflow.schedule.ray_pool import _Scored
+from fuseflow.schedule.ray_pool import RayRolloutPool, _Scored, _Stealable
 from fuseflow.telemetry import Tracer
 
 
@@ -41,7 +43,8 @@ def test_a_replica_scores_again_once_its_log_probs_are_ready_not_when_they_are_c
 
     ref = Ref()
     pool = SimpleNamespace(_lock=threading.Lock(), _scoring={1}, held=[], tracer=Tracer(), tracks=[1, 2], scored=0,
-                           scored_ref=0, replicas=SimpleNamespace(get=lambda i, r, m: (torch.ones(1, 2).numpy(), 0.1)))
+                           scored_ref=0, replicas=SimpleNamespace(get=lambda i, r, m: (torch.ones(1, 2).numpy(), 0.1)),
+                           _steal_soon=lambda: None)
     scored = _Scored(pool, 1, step=3, ref=ref)
     assert pool._scoring == {1} and not pool.held  # computing
     ref.fut.set_result(None)  # Ray has the result; nobody collected it yet
@@ -49,3 +52,97 @@ def test_a_replica_scores_again_once_its_log_probs_are_ready_not_when_they_are_c
     assert [e["name"] for e in pool.tracer.events] == ["inference"]
     assert scored.result().tolist() == [[1.0, 1.0]] and pool.scored == 1
     assert len(pool.held) == 1 and len(pool.tracer.events) == 1  # billed and traced once
+
+
+def test_a_call_withdrawn_before_it_starts_never_computes_and_a_started_one_cannot_be_withdrawn():
+    host, ran = WorkerHost("roles", 0, 1), []
+    host.roles["reference"] = SimpleNamespace(compute_logprobs=lambda x: ran.append(x) or x)
+    assert host.withdraw(5, "background")
+    out, seconds, _cpu = host.call("reference", "compute_logprobs", (1,), {}, ticket=5, lane="background")
+    assert isinstance(out, Withdrawn) and seconds == 0.0 and ran == []
+    assert host.call("reference", "compute_logprobs", (2,), {}, ticket=7, lane="background")[0] == 2 and ran == [2]
+    assert not host.withdraw(7, "background")  # it ran
+    assert not host.withdraw(6, "background")  # a later ticket of its lane started: it may have too
+    assert host.withdraw(6, "serial")  # another lane's tickets say nothing about this one
+    assert host.call("reference", "compute_logprobs", (3,), {}, ticket=9)[0] == 3  # no withdrawal: it runs
+
+
+class _Ref:
+    """A Ray ObjectRef stand-in: its ``future()`` resolves when the test says the result is ready."""
+
+    def __init__(self, value):
+        self.value, self.fut = value, Future()
+
+    def future(self):
+        return self.fut
+
+
+class _Lane:
+    """A roles' lane call that may be withdrawn (``started``: it no longer can)."""
+
+    def __init__(self, value, started: bool):
+        self.value, self.started, self.asked = value, started, 0
+
+    def withdraw(self) -> bool:
+        self.asked += 1
+        return not self.started
+
+    def result(self):
+        return self.value if self.started else Withdrawn()
+
+    def done(self) -> bool:
+        return self.started
+
+
+class _Replicas:
+    def __init__(self, n: int):
+        self.config, self.version, self.scores, self.scores_reference = None, 0, True, True
+        self.started: list[tuple[int, bool, _Ref]] = []
+        self.handles = [SimpleNamespace(compute_logprobs=SimpleNamespace(remote=lambda wire, ref, i=i: self._start(i, ref)))
+                        for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def _start(self, i: int, reference: bool) -> _Ref:
+        self.started.append((i, reference, _Ref(torch.full((1, 2), float(i)).numpy())))
+        return self.started[-1][2]
+
+    def get(self, i, ref, method):
+        return ref.value, 0.01
+
+    def call(self, method):
+        return [[] for _ in self.handles]
+
+
+def test_a_replica_that_comes_free_takes_over_the_newest_log_probs_waiting_in_the_roles_lane():
+    replicas = _Replicas(2)
+    pool = RayRolloutPool(replicas, actor=None, tracer=Tracer(), first_track=1)
+    pool._args = (3, None, None, False)  # a foreground generation
+    pool.live = {0: 1, 1: 1}  # both replicas decode: the log-probs go to the roles' lane
+    batch = SimpleNamespace()  # to_wire passes it through
+    older, newer = _Lane(torch.zeros(1, 2), started=True), _Lane(None, started=False)
+    ref = pool.logprobs_future(batch, reference=True, lane=lambda b: older)
+    old = pool.logprobs_future(batch, lane=lambda b: newer)
+    assert isinstance(ref, _Stealable) and isinstance(old, _Stealable) and replicas.started == []
+
+    del pool.live[1]  # replica 1's stream ends
+    pool._steal_soon()
+    pool.join()
+    # The newest waiting call moved to replica 1; the older one stays: replica 0 still decodes.
+    assert newer.asked == 1 and older.asked == 0 and [(i, r) for i, r, _ in replicas.started] == [(1, False)]
+    assert pool._scoring == {1} and pool.stolen == 1
+    replicas.started[0][2].fut.set_result(None)  # its result is ready: replica 1 is free again
+    pool.join()
+    # Replica 1 asked for the older call, which had started in the lane: it stays there.
+    assert older.asked == 1 and pool._scoring == set() and len(replicas.started) == 1
+    assert old.result().tolist() == [[1.0, 1.0]] and ref.result().tolist() == [[0.0, 0.0]]
+    assert pool.scored == 1 and pool.scored_ref == 0
+
+
+def test_a_background_generation_leaves_log_probs_in_the_lane():
+    pool = RayRolloutPool(_Replicas(1), actor=None, tracer=Tracer(), first_track=1)
+    pool._args = (3, None, None, True)  # a prefetch: training holds the cores
+    pool.live = {0: 1}
+    lane = _Lane(torch.zeros(1, 2), started=False)
+    assert pool.logprobs_future(SimpleNamespace(), reference=True, lane=lambda b: lane) is lane

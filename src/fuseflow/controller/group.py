@@ -105,7 +105,14 @@ def first_line(e: BaseException) -> str:
 
 
 class Future:
-    """The pending result of a group call; ``result()`` waits for it (raising ``WorkerFailure``)."""
+    """The pending result of a group call; ``result()`` waits for it (raising ``WorkerFailure``).
+
+    ``withdraw``, where a backend offers it (a one-rank Ray call in a lane of one thread): a call that
+    takes the call back if it has not started yet (True: it will not compute, and ``result()`` is then
+    ``host.Withdrawn``), else False.
+    """
+
+    withdraw: Callable[[], bool] | None = None
 
     def result(self) -> Any:
         raise NotImplementedError

@@ -27,8 +27,18 @@ from .priority import set_background
 from .worker import DistInfo, Worker
 
 
+class Withdrawn:
+    """What a call returns that the controller took back (``WorkerHost.withdraw``) before it started."""
+
+
 class WorkerHost:
-    """Rank ``rank`` of pool ``pool`` (``world_size`` processes); builds and calls role workers."""
+    """Rank ``rank`` of pool ``pool`` (``world_size`` processes); builds and calls role workers.
+
+    Calls on the serial and background lanes may carry a *ticket* (the controller numbers them in the
+    order it submits them): ``withdraw(ticket, lane)`` takes such a call back while it still waits in
+    its lane, and the call then returns ``Withdrawn`` without computing. The controller moves a log-prob
+    call that way from the roles' busy background lane onto a rollout replica that came free.
+    """
 
     def __init__(self, pool: str, rank: int, world_size: int, threads: int = 1):
         self.pool, self.rank, self.world_size = pool, rank, world_size
@@ -40,6 +50,9 @@ class WorkerHost:
             torch.cuda.set_device(0)
         self.distributed = False
         self.roles: dict[str, Worker] = {}
+        self._tickets = threading.Lock()
+        self._started: dict[str, int] = {}  # lane -> the highest ticket that started on it
+        self._withdrawn: set[int] = set()
 
     def ready(self) -> int:
         return os.getpid()
@@ -69,14 +82,36 @@ class WorkerHost:
         worker.attach(info)
         self.roles[role] = worker
 
-    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
-        """Run ``role.method`` on this rank: (result as numpy-backed wire data, wall seconds, CPU seconds)."""
+    def call(self, role: str, method: str, args: tuple, kwargs: dict, ticket: int | None = None,
+             lane: str = "serial") -> tuple[Any, float, float]:
+        """Run ``role.method`` on this rank: (result as numpy-backed wire data, wall seconds, CPU seconds);
+        ``(Withdrawn(), 0, 0)`` when its ``ticket`` was withdrawn before it started."""
+        if ticket is not None:
+            with self._tickets:
+                if ticket in self._withdrawn:
+                    self._withdrawn.discard(ticket)
+                    return Withdrawn(), 0.0, 0.0
+                self._started[lane] = max(ticket, self._started.get(lane, -1))
         args, kwargs = from_wire(args), from_wire(kwargs)
         t0, c0 = time.perf_counter(), time.process_time()
         out = getattr(self.roles[role], method)(*args, **kwargs)
         return to_wire(out), time.perf_counter() - t0, time.process_time() - c0
 
-    def call_background(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[Any, float, float]:
+    def withdraw(self, ticket: int, lane: str) -> bool:
+        """Take back the call with ``ticket`` on ``lane`` if it has not started: True, and it will return
+        ``Withdrawn`` without computing; False when it started (or finished).
+
+        Why a ticket above every started one has not started: the check and the mark happen under
+        one lock, whatever order the lane's calls arrive in.
+        """
+        with self._tickets:
+            if ticket <= self._started.get(lane, -1):
+                return False
+            self._withdrawn.add(ticket)
+            return True
+
+    def call_background(self, role: str, method: str, args: tuple, kwargs: dict,
+                        ticket: int | None = None) -> tuple[Any, float, float]:
         """``call`` under ``SCHED_IDLE``: only ever sent to the ``background`` lane, whose one thread keeps
         that priority for the process's life (leaving it may need a privilege); see ``group.background``.
         It computes on ``background_threads`` intra-op threads (``lend_threads(..., background=True)``)."""
@@ -85,7 +120,7 @@ class WorkerHost:
         if lent != self.threads:
             torch.set_num_threads(lent)
         try:
-            return self.call(role, method, args, kwargs)
+            return self.call(role, method, args, kwargs, ticket, "background")
         finally:
             if lent != self.threads:  # MKL's count is process-wide: the other lanes get theirs back
                 torch.set_num_threads(self.threads)

@@ -12,6 +12,7 @@ waiting for the peers (which would sit in a collective until their own timeout).
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -19,6 +20,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from .dispatch import from_wire, to_wire
@@ -31,6 +33,7 @@ from .placement import Placement, PoolPlan
 # ``background()`` take one more lane, under SCHED_IDLE; one thread, so they keep their order.
 BESIDE_LANES = 2
 LANES = {"beside": BESIDE_LANES, "background": 1}
+_TICKETS = itertools.count()  # numbers the controller's one-rank calls (``WorkerHost.withdraw``)
 
 
 class ClusterError(RuntimeError):
@@ -303,11 +306,18 @@ class RayGroup(WorkerGroup):
         method = "call"
         if not lane and started_background() and self.runs_beside:  # several ranks: their one order instead
             lane, method = {"concurrency_group": "background"}, "call_background"
+        # A one-rank call in a lane of one thread carries a ticket, so that it can be taken back
+        # (``RayFuture.withdraw``) while it still waits there.
+        ticket = next(_TICKETS) if len(ranks) == 1 and lane.get("concurrency_group") != "beside" else None
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)
-            refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs))
-        return RayFuture(self, name, ranks, refs, collect)
+            refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs, ticket))
+        future = RayFuture(self, name, ranks, refs, collect)
+        if ticket is not None:
+            future.withdraw = partial(_withdraw, self.hosts[ranks[0]], ticket,
+                                      "background" if method == "call_background" else "serial")
+        return future
 
     def lend_threads(self, cores: dict[str, int], background: bool = False) -> None:
         if background:  # for calls still to come: set on the beside lane (free now), not waited for
@@ -335,6 +345,14 @@ class RayFuture(Future):
             self.group._count([s for _, s, _ in outs], sum(c for _, _, c in outs))
             self._value = (self.collect([from_wire(r) for r, _, _ in outs]),)
         return self._value[0]
+
+
+def _withdraw(host, ticket: int, lane: str, timeout_s: float = 30.0) -> bool:
+    """``WorkerHost.withdraw`` on the host's ``beside`` lane: a steal happens while inference runs, never
+    beside an update, so a thread of that lane is free and the answer comes at once."""
+    import ray
+
+    return ray.get(host.withdraw.options(concurrency_group="beside").remote(ticket, lane), timeout=timeout_s)
 
 
 def _wait_ranks(role: str, method: str, ranks: list[int], refs: list, pool: str) -> list:

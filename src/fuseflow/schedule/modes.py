@@ -103,7 +103,7 @@ class Pooled(Strategy):
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
-        self._scored = self._scored_ref = 0
+        self._scored = self._scored_ref = self._stolen = 0
         if resumed_from is not None:
             self._restore(resumed_from)
 
@@ -273,6 +273,9 @@ class Pooled(Strategy):
             tasks.close()
             while helps and self._help(step, tasks):
                 pass
+            # Every sample is in: pack them while the workers finish the step's inference.
+            gen = Generated.of(done, prompt_of, self.stages.tokenizer, migrated)
+            self.stages.pack(gen)
             self.pool.join()
         finally:
             if lend:
@@ -280,7 +283,6 @@ class Pooled(Strategy):
         self.pool.check_alive(step)
         if self.chooser:
             self.chooser.observe(requests, done)
-        gen = Generated.of(done, prompt_of, self.stages.tokenizer, migrated)
         gen.merge(results)
         return gen
 
@@ -322,13 +324,13 @@ class Pooled(Strategy):
         actor has now (version ``step - 1``); None on threads (they run the actor's call themselves)."""
         if self.pool.threaded or self.pool.policy_version != step - 1:
             return None
-        return self.pool.logprobs_future
+        return lambda batch, own: self.pool.logprobs_future(batch, lane=own)
 
     def _replica_ref_logprobs(self) -> Callable | None:
         """Replica processes may compute reference log-probs at any time (a frozen copy each); None on threads."""
         if self.pool.threaded:
             return None
-        return lambda batch: self.pool.logprobs_future(batch, reference=True)
+        return lambda batch, own: self.pool.logprobs_future(batch, reference=True, lane=own)
 
     def _idle_live(self) -> int:
         """Workers that would take an inference task now (threads: held ones with nothing to decode)."""
@@ -365,7 +367,9 @@ class Pooled(Strategy):
         if not self.pool.threaded:  # micro-batches whose old log-probs a free replica process computed
             out["schedule/replica_logprob_batches"] = float(self.pool.scored - self._scored)
             out["schedule/replica_ref_batches"] = float(self.pool.scored_ref - self._scored_ref)
-            self._scored, self._scored_ref = self.pool.scored, self.pool.scored_ref
+            # ... of which a replica took over from the roles' lane, where they waited
+            out["schedule/replica_stolen_batches"] = float(self.pool.stolen - self._stolen)
+            self._scored, self._scored_ref, self._stolen = self.pool.scored, self.pool.scored_ref, self.pool.stolen
         if self.elastic:  # held time of the threads that ended since the step began (clipped to it)
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
             self.pool.held.clear()

@@ -15,7 +15,9 @@ replica process (``fuseflow.controller.replica``) with its own engine and weight
   ``controller.group.background``). A replica with nothing to decode
   takes the stages its models can run: the old log-probs (``logprobs_future``) while its
   weights are the actor's, and the reference log-probs (a frozen copy it loaded once); the
-  critic and the reward stay in the roles' processes.
+  critic and the reward stay in the roles' processes. Log-probs sent to a roles' lane because no
+  replica was free are taken over by the next replica that comes free while they still wait there
+  (``_Stealable``): at a fused step's end that lane holds the critic's values too, and is the tail.
 - ``migrate`` aborts samples on their source replica and adds the exported ``PartialState`` to
   the target over Ray, starting a stream there if none runs.
 - ``set_weights`` broadcasts the actor's weights from its rank-0 process (``ReplicaSet.sync``).
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 from fuseflow.controller.dispatch import from_wire, to_wire
 from fuseflow.controller.group import Future
+from fuseflow.controller.host import Withdrawn
 from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
 
@@ -67,6 +70,8 @@ class RayRolloutPool:
         self.scored_ref = 0  # ... and whose reference log-probs
         self._dispatchers = 0
         self._args: tuple | None = None  # (step, on_sample, tasks, background) of the running generation
+        self._stealable: list[_Stealable] = []  # log-prob calls waiting in a roles' lane, oldest first
+        self.stolen = 0  # of those, how many a replica took over
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -92,6 +97,8 @@ class RayRolloutPool:
         if len(shards) != len(self):
             raise ValueError(f"{len(shards)} request shards for {len(self)} rollout replicas")
         self._args = (step, on_sample, tasks, background)
+        with self._lock:
+            self._stealable.clear()
         for i, shard in enumerate(shards):
             if shard:
                 self._stream(i, shard)
@@ -166,6 +173,7 @@ class RayRolloutPool:
                 if not self.live[i]:
                     del self.live[i]
             self.held.append((i, t0, time.perf_counter()))
+            self._steal_soon()
 
     def _dispatch(self, tasks: TaskQueue) -> None:
         with self._lock:
@@ -194,22 +202,78 @@ class RayRolloutPool:
             self._threads.append(t)
         t.start()
 
-    def logprobs_future(self, batch, reference: bool = False) -> Future | None:
+    def logprobs_future(self, batch, reference: bool = False,
+                        lane: Callable[[object], Future] | None = None) -> Future | None:
         """Old log-probs of ``batch`` (``reference``: the reference's) started on a replica with nothing to
-        decode or score, or None when every replica is busy (the caller then asks the actor, or the
-        reference group). Old log-probs are only valid while the replicas hold the actor's current
-        weights: the strategy checks the version; the reference never changes."""
+        decode or score. When every replica is busy: ``lane(batch)``, the actor's (or the reference
+        group's) own call, which a replica that comes free takes over while it still waits in its lane
+        (not in a background generation, whose replicas leave the cores to training); None without
+        ``lane``. Old log-probs are only valid while the replicas hold the actor's current weights: the
+        strategy checks the version; the reference never changes."""
         if not (self.replicas.scores_reference if reference else self.replicas.scores):
             return None
         with self._lock:
-            free = [i for i in range(len(self)) if i not in self.live and i not in self._scoring]
-            if not free:
-                return None
-            i = free[0]
-            self._scoring.add(i)
+            free = self._free_replicas()
+            if free:
+                self._scoring.add(free[0])
+        if free:
+            return self._score(free[0], batch, reference)
+        if lane is None:
+            return None
+        future = lane(batch)
+        if future.withdraw is None or (self._args is not None and self._args[3]):
+            return future
+        waiting = _Stealable(batch, reference, future)
+        with self._lock:
+            self._stealable.append(waiting)
+        return waiting
+
+    def _free_replicas(self) -> list[int]:
+        """Replicas with nothing to decode or score (call under the lock)."""
+        return [i for i in range(len(self)) if i not in self.live and i not in self._scoring]
+
+    def _score(self, i: int, batch, reference: bool) -> _Scored:
+        """Start the log-probs on replica ``i`` (already marked as scoring)."""
         step = self._args[0] if self._args else 0
         return _Scored(self, i, step, self.replicas.handles[i].compute_logprobs.remote(to_wire(batch), reference),
                        reference)
+
+    def _steal_soon(self) -> None:
+        """A replica came free: let it take over log-probs still waiting in a roles' lane. On a thread of
+        its own, since this runs on Ray's callback thread (which must not block) or a stream's."""
+        with self._lock:
+            if not self._stealable:
+                return
+        self._spawn(self._steal, name="steal")
+
+    def _steal(self) -> None:
+        """While a replica is free, withdraw the newest waiting log-prob call from its lane and start it on
+        that replica. The newest first: a lane runs its calls in order, so it is the likeliest not to
+        have started; once one has, the older ones in its lane have too, and the steal stops."""
+        while True:
+            with self._lock:
+                free = self._free_replicas()
+                if not free or not self._stealable:
+                    return
+                i, waiting = free[0], self._stealable.pop()
+                self._scoring.add(i)
+            try:
+                withdrawn = waiting.lane.withdraw()
+            except Exception:  # noqa: BLE001 - the lane's call goes on; its own result reports a failure
+                withdrawn = False
+            if not withdrawn:
+                with self._lock:
+                    self._scoring.discard(i)
+                return
+            try:
+                waiting.take(self._score(i, waiting.batch, waiting.reference))
+            except BaseException as e:  # the withdrawn call must still end: its result raises this
+                with self._lock:
+                    self._scoring.discard(i)
+                waiting.take(_Raises(e))
+                raise
+            with self._lock:
+                self.stolen += 1
 
     # ------------------------------------------------------------------ migration
     def pending(self) -> dict[int, list[PendingSample]]:
@@ -265,6 +329,7 @@ class _Scored(Future):
         t1 = time.perf_counter()
         self.pool.held.append((self.i, self.t0, t1))  # elastic bills a replica while it scores
         self.pool.tracer.record("inference", self.step, self.pool.tracks[self.i], self.t0, t1)
+        self.pool._steal_soon()
 
     def done(self) -> bool:
         import ray
@@ -283,3 +348,41 @@ class _Scored(Future):
                 self.pool.scored += 1
             self._value = (from_wire(out),)
         return self._value[0]
+
+
+class _Stealable(Future):
+    """Log-probs sent to a roles' lane (``lane``, a one-rank group call that can be withdrawn) that a
+    replica may take over (``RayRolloutPool._steal``); the result is the lane's, or the replica's once
+    the lane's call was withdrawn (it then never computes)."""
+
+    def __init__(self, batch, reference: bool, lane: Future):
+        self.batch, self.reference, self.lane = batch, reference, lane
+        self.moved: Future | None = None
+        self._taken = threading.Event()
+
+    def take(self, moved: Future) -> None:
+        """The lane's call was withdrawn: ``moved`` (a replica's) computes the result instead."""
+        self.moved = moved
+        self._taken.set()
+
+    def done(self) -> bool:
+        return self.moved.done() if self.moved is not None else self.lane.done()
+
+    def result(self):
+        if self.moved is None:
+            out = self.lane.result()
+            if not isinstance(out, Withdrawn):
+                return out
+            self._taken.wait()  # withdrawn: the steal is about to hand over the replica's call
+        return self.moved.result()
+
+
+class _Raises(Future):
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        raise self.error

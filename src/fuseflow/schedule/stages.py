@@ -86,6 +86,7 @@ class Generated:
     texts: list[str]  # decoded responses (no special tokens)
     rows: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # field -> uid -> (Tr_i,) or ()
     migrated: int = 0
+    packed: Batch | None = None  # these samples as a Batch without inference fields (``Stages.pack``)
 
     @classmethod
     def of(cls, samples: list[Sample], prompt_of: dict, tokenizer, migrated: int = 0) -> Generated:
@@ -172,6 +173,14 @@ class Stages:
         out.scores = out.scores + self.shaping(samples)
         return {k: getattr(out, k) for k in REWARD_FIELDS if getattr(out, k) is not None}
 
+    def pack(self, gen: Generated) -> Batch:
+        """``gen``'s samples as a ``Batch`` without inference fields, built once and kept on ``gen``: a pooled
+        strategy packs them as soon as generation ends, while the step's last inference still runs, so that
+        ``assemble`` (the controller's serial path between that inference and training) only adds fields."""
+        if gen.packed is None:
+            gen.packed = self.to_batch(gen.samples, gen.prompts, gen.texts, {})
+        return gen.packed
+
     def to_batch(self, samples: list, prompts: list, texts: list[str], fields: dict[str, torch.Tensor]) -> Batch:
         """Finished samples packed as a ``Batch``; ``fields`` are per-sample (B,) values to add."""
         batch = samples_to_batch(samples, self.tokenizer.pad_token_id, [p.text for p in prompts], texts)
@@ -186,18 +195,20 @@ class Stages:
                         ) -> dict[str, Callable[[], Future]]:
         """Starters of the model inference stages in ``names`` on ``batch``, keyed by the field each fills.
 
-        ``old_logprob``: another place that holds the actor's current weights (a free rollout replica
-        on Ray) tried first for the old log-probs; it returns None when it cannot take them now.
-        ``ref_logprob``: the same for the reference log-probs (a replica's copy of the reference).
+        ``old_logprob``: another place that holds the actor's current weights (the rollout replicas on
+        Ray), called with the batch and the actor group's own call: it starts the log-probs where it
+        can (a free replica, else that call, which a replica may take over later) or returns None, and
+        the actor group then computes them. ``ref_logprob``: the same for the reference log-probs (a
+        replica's copy of the reference) and the reference group.
         """
         r = self.roles
         calls = {}
         if "old_logprob" in names:
-            calls["old_logprobs"] = lambda: ((old_logprob(batch) if old_logprob else None)
-                                             or r.actor.compute_logprobs.future(batch))
+            own = r.actor.compute_logprobs.future
+            calls["old_logprobs"] = lambda: (old_logprob(batch, own) if old_logprob else None) or own(batch)
         if "reference" in names:
-            calls["ref_logprobs"] = lambda: ((ref_logprob(batch) if ref_logprob else None)
-                                             or r.reference.compute_logprobs.future(batch))
+            own_ref = r.reference.compute_logprobs.future
+            calls["ref_logprobs"] = lambda: (ref_logprob(batch, own_ref) if ref_logprob else None) or own_ref(batch)
         for c in r.critics:
             if c.role in names:
                 calls[f"{CRITIC_PREFIX[c.role]}values"] = lambda c=c: c.compute_values.future(batch)
@@ -270,11 +281,12 @@ class Stages:
     def assemble(self, step: int, gen: Generated) -> tuple[Batch, dict[str, float]]:
         """The step's ``Batch`` from samples whose every stage has run (rows in ``gen``), in ``gen``'s order."""
         uids = [x.uid for x in gen.samples]
-        per_sample = {k: torch.stack([gen.rows[k][u] for u in uids]) for k in REWARD_FIELDS if k in gen.rows}
-        batch = self.to_batch(gen.samples, gen.prompts, gen.texts, per_sample)
+        batch = self.pack(gen)
         width = batch["response_mask"].shape[1]
         for k, by_uid in gen.rows.items():
-            if k not in per_sample:
+            if k in REWARD_FIELDS:  # (B,)
+                batch[k] = torch.stack([by_uid[u] for u in uids])
+            else:  # (B, Tr), each row cut to its response
                 batch[k] = scatter_rows([([i], by_uid[u].unsqueeze(0)) for i, u in enumerate(uids)], len(uids), width)
         if self.roles.old_from_rollout:  # the engine's sampling log-probs, under this step's weights
             batch["old_logprobs"] = batch["behavior_logprobs"].clone()
