@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fuseflow.data.batch import Batch, pad_sequences, unpad
+from fuseflow.data.batch import Batch, pad_rows, pad_sequences, scatter_rows, unpad
 
 
 def _batch():
@@ -38,3 +38,12 @@ def test_pad_and_unpad():
     assert unpad(left[1], left[1] != 0) == [3]
     with pytest.raises(ValueError, match="more than the width"):
         pad_sequences([[1, 2, 3]], 0, left=True, width=2)
+
+
+def test_pad_rows_equals_scatter_rows_in_order_and_rejects_a_row_too_long():
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(int(n), generator=g) for n in (3, 0, 7, 1)]
+    want = scatter_rows([([i], r.unsqueeze(0)) for i, r in enumerate(rows)], len(rows), 9, fill=-1.0)
+    assert torch.equal(pad_rows(rows, 9, fill=-1.0), want)
+    with pytest.raises(ValueError, match="more than the target width 5"):
+        pad_rows(rows, 5)

@@ -98,7 +98,8 @@ class _Replicas:
     def __init__(self, n: int):
         self.config, self.version, self.scores, self.scores_reference = None, 0, True, True
         self.started: list[tuple[int, bool, _Ref]] = []
-        self.handles = [SimpleNamespace(compute_logprobs=SimpleNamespace(remote=lambda wire, ref, i=i: self._start(i, ref)))
+        self.handles = [SimpleNamespace(compute_logprobs=SimpleNamespace(remote=lambda wire, ref, i=i: self._start(i, ref)),
+                                        step_log=SimpleNamespace(remote=lambda i=i: [(i, 0.5)]))
                         for i in range(n)]
 
     def __len__(self) -> int:
@@ -109,10 +110,7 @@ class _Replicas:
         return self.started[-1][2]
 
     def get(self, i, ref, method):
-        return ref.value, 0.01
-
-    def call(self, method):
-        return [[] for _ in self.handles]
+        return ref if method == "step_log" else (ref.value, 0.01)
 
 
 def test_a_replica_that_comes_free_takes_over_the_newest_log_probs_waiting_in_the_roles_lane():
@@ -138,6 +136,7 @@ def test_a_replica_that_comes_free_takes_over_the_newest_log_probs_waiting_in_th
     assert older.asked == 1 and pool._scoring == set() and len(replicas.started) == 1
     assert old.result().tolist() == [[1.0, 1.0]] and ref.result().tolist() == [[0.0, 0.0]]
     assert pool.scored == 1 and pool.scored_ref == 0
+    assert list(pool.step_log) == [(0, 0.5), (1, 0.5)] * 2  # both joins' engine steps, read when asked for
 
 
 def test_a_background_generation_leaves_log_probs_in_the_lane():

@@ -60,7 +60,8 @@ class RayRolloutPool:
         self.errors: dict[int, BaseException] = {}
         self.live: dict[int, int] = {}  # replica -> streams running on it now
         self.held: list[tuple[int, float, float]] = []  # (replica, start, end) of every stream
-        self.step_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._step_log: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._logs_asked: list = []  # the replicas' step_log calls of the last join, not read yet
         self.policy_version = replicas.version
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -133,9 +134,20 @@ class RayRolloutPool:
                 break
             for t in threads:
                 t.join()
-        if not self.errors:
-            for log in self.replicas.call("step_log"):
-                self.step_log.extend(log)
+        if not self.errors:  # asked now, read when needed: no round trip between the step's end and training
+            self._read_logs()
+            self._logs_asked = [h.step_log.remote() for h in self.replicas.handles]
+
+    @property
+    def step_log(self) -> deque[tuple[int, float]]:
+        """The replicas' measured engine steps, (rows, seconds) each, up to the last step's end."""
+        self._read_logs()
+        return self._step_log
+
+    def _read_logs(self) -> None:
+        asked, self._logs_asked = self._logs_asked, []
+        for i, ref in enumerate(asked):
+            self._step_log.extend(self.replicas.get(i, ref, "step_log"))
 
     def restore_priority(self) -> None:
         """Training ended: background decode threads in the replicas go back to normal priority."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fuseflow.controller.group import Future, WorkerGroup
-from fuseflow.data.batch import Batch, scatter_rows, unpad
+from fuseflow.data.batch import Batch, pad_rows, unpad
 from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import decode_response
 from fuseflow.recipes import informative_groups, overlong_penalty
@@ -287,7 +287,7 @@ class Stages:
             if k in REWARD_FIELDS:  # (B,)
                 batch[k] = torch.stack([by_uid[u] for u in uids])
             else:  # (B, Tr), each row cut to its response
-                batch[k] = scatter_rows([([i], by_uid[u].unsqueeze(0)) for i, u in enumerate(uids)], len(uids), width)
+                batch[k] = pad_rows([by_uid[u] for u in uids], width)
         if self.roles.old_from_rollout:  # the engine's sampling log-probs, under this step's weights
             batch["old_logprobs"] = batch["behavior_logprobs"].clone()
         metrics: dict[str, float] = {}
