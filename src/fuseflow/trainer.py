@@ -145,6 +145,7 @@ class RLTrainer:
         self.lagrange = (LagrangeMultiplier(a.lambda_init, a.lambda_lr, a.cost_limit) if self.recipe.cost_critic
                          else None)
         self.kl_ctl = kl_controller(a)  # fixed kl_coef, or adaptive toward algorithm.kl_target
+        self._sync = None  # the step's actor.sync_weights, started behind the actor's update (update_calls)
         self.start_step, self.stream = 0, PromptStream(len(self.train_prompts), cfg.seed)
         self.evals: list[dict] = []
         self.sft_responses: list[str] | None = None  # sampled held-out responses of the SFT model (win rates)
@@ -186,8 +187,9 @@ class RLTrainer:
             for m in self.strategy.train(step, self.update_calls(step, batch, lr, kl_coef)).values():
                 metrics |= m
             metrics["train/skipped_update"] = 0.0
-        with span("weight_sync", step):
-            metrics |= self.actor.sync_weights(step) or {}  # in-process: shared weights (vLLM: pushed, timed)
+        with span("weight_sync", step):  # in-process: shared weights (vLLM: pushed, timed)
+            sync, self._sync = self._sync, None
+            metrics |= (sync or self.actor.sync_weights.future(step)).result() or {}
         metrics |= self.strategy.step_metrics(step)  # worker-seconds, busy fractions, long tail
         seconds, busy = time.perf_counter() - t0, self.worker_seconds() - busy0
         n_tokens = float(batch["response_mask"].sum())
@@ -208,8 +210,15 @@ class RLTrainer:
                                          actor_seed=cfg.seed + step, critic_seed=cfg.seed + 7 * step)
         updates = {f"{c.role}_update": partial(c.update.future, batch, lr(cfg.trainer.critic_lr),
                                                seed=cfg.seed + 7 * step) for c in self.critics}
-        updates["actor_update"] = partial(self.actor.update.future, batch, lr(cfg.trainer.lr), kl_coef,
-                                          seed=cfg.seed + step)
+
+        def actor_update():
+            future = self.actor.update.future(batch, lr(cfg.trainer.lr), kl_coef, seed=cfg.seed + step)
+            # Queued right behind the update in the actor's lane: on Ray the weights reach the rollout
+            # without a round trip to this controller in between (``step`` collects it).
+            self._sync = self.actor.sync_weights.future(step)
+            return future
+
+        updates["actor_update"] = actor_update
         return updates
 
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
