@@ -279,11 +279,11 @@ class RayRolloutPool:
                 return
             try:
                 waiting.take(self._score(i, waiting.batch, waiting.reference))
-            except BaseException as e:  # the withdrawn call must still end: its result raises this
+            except Exception as e:  # noqa: BLE001 - the withdrawn call must still end: its result raises this
                 with self._lock:
                     self._scoring.discard(i)
                 waiting.take(_Raises(e))
-                raise
+                return
             with self._lock:
                 self.stolen += 1
 
@@ -390,6 +390,8 @@ class _Stealable(Future):
 
 
 class _Raises(Future):
+    """A call that failed before it went out: its result raises the error."""
+
     def __init__(self, error: BaseException):
         self.error = error
 
