@@ -33,12 +33,15 @@ def _config(sft_cache, extra, steps=2):
                                 "trainer.eval_size=8", "task.eval_size=8", f"cache_dir={sft_cache}", *RAY, *extra])
 
 
-def _run(tmp_path, sft_cache, extra, steps=2, after=None):
-    """Train ``steps`` steps; every step's batch and metrics (``after(trainer)`` runs before closing)."""
+def _run(tmp_path, sft_cache, extra, steps=2, after=None, before=None):
+    """Train ``steps`` steps; every step's batch and metrics (``before(trainer)`` runs before step 1,
+    ``after(trainer)`` before closing)."""
     tr = RLTrainer(_config(sft_cache, extra, steps), tmp_path / "_".join(extra or ["seq"]).replace("=", "-")
                    .replace("+", "p").replace("/", "_"), log=lambda *_: None)
     batches, metrics = record_batches(tr), []
     try:
+        if before is not None:
+            before(tr)
         for step in range(1, steps + 1):
             metrics.append(tr.step(step))
         if after is not None:
@@ -116,7 +119,10 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
 
 
 def test_elastic_replicas_train_like_sequential_and_bill_held_time(tmp_path, sft_cache, sequential):
-    el = _run(tmp_path, sft_cache, ["schedule.mode=elastic", *REPLICAS])
+    formed = []  # the weight group forms while the trainer is built, before any step (not in step 2's sync)
+    el = _run(tmp_path, sft_cache, ["schedule.mode=elastic", *REPLICAS],
+              before=lambda tr: formed.append((tr.replicas.connected, len(tr.replicas.sync_log))))
+    assert formed == [(True, 0)]
     _same_training(sequential, el)
     for m in el[1]:
         assert 0 < m["time/rollout_worker_seconds"] <= 2 * m["time/step_seconds"]
