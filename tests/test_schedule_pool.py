@@ -145,3 +145,74 @@ def test_a_background_generation_leaves_log_probs_in_the_lane():
     pool.live = {0: 1}
     lane = _Lane(torch.zeros(1, 2), started=False)
     assert pool.logprobs_future(SimpleNamespace(), reference=True, lane=lambda b: lane) is lane
+
+
+class _StepEngine:
+    """An engine whose steps finish the given uids (a list per step); a step marked "boom" raises. Each step
+    waits until the test lets it go, so the test decides what has finished when the stream reads."""
+
+    def __init__(self, steps):
+        self.steps, self.model = list(steps), torch.nn.Linear(1, 1)
+        self.go = threading.Semaphore(0)
+        self.ran = 0
+
+    def add(self, request):
+        pass
+
+    def has_unfinished(self):
+        return bool(self.steps)
+
+    def running_rows(self):
+        return 1
+
+    def step(self):
+        self.go.acquire()
+        self.ran += 1
+        uids = self.steps.pop(0)
+        if uids == "boom":
+            raise RuntimeError("engine failed")
+        return [SimpleNamespace(uid=u) for u in uids]
+
+
+def _drain(stream, engine, steps_before_read):
+    """Let ``steps_before_read[k]`` engine steps run before the stream's k-th read; the uids of each item.
+    (The decode thread starts at the first read, and the steps after those let go block: the first
+    item holds the first ``steps_before_read[0]`` steps' samples, whenever it is read.)"""
+    items, target = [], 0
+    for k, n in enumerate(steps_before_read):
+        target += n
+        for _ in range(n):
+            engine.go.release()
+        deadline = time.perf_counter() + 10
+        while k and engine.ran < target and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)  # the last step's samples reach the queue
+        items.append([s.uid for s in next(stream)])
+    return items
+
+
+def test_a_replica_stream_sends_every_sample_finished_since_its_last_item_in_one_item():
+    from fuseflow.controller.replica import RolloutReplica
+
+    engine = _StepEngine([[0, 1], [], [2], [3, 4], [5]])
+    replica = RolloutReplica(lambda: engine, 0)
+    stream = replica.stream([])
+    # Step 1 finishes two samples: one item. Steps 2-4 run before the next read: 2, 3 and 4 in one item.
+    assert _drain(stream, engine, [1, 3, 1]) == [[0, 1], [2, 3, 4], [5]]
+    assert next(stream, None) is None  # the engine ran dry: the stream ends
+    assert not replica._running
+
+
+def test_a_replica_stream_yields_what_finished_before_its_engine_failed_then_raises():
+    from fuseflow.controller.replica import RolloutReplica
+
+    engine = _StepEngine([[0], [1], "boom"])
+    replica = RolloutReplica(lambda: engine, 0)
+    stream = replica.stream([])
+    assert _drain(stream, engine, [1, 2]) == [[0], [1]]  # the failing step came with sample 1's
+    try:
+        next(stream)
+    except RuntimeError as e:
+        assert "engine failed" in str(e)
+    else:
+        raise AssertionError("the engine's error did not reach the stream")

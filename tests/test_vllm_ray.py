@@ -27,7 +27,7 @@ def _stream(handle, requests) -> dict:
     replica that holds its tail (``ray_hooks.held_tail``) never waits for a migration that no one makes."""
     import ray
 
-    return {s.uid: s for r in requests for s in (ray.get(ref) for ref in handle.stream.remote([r]))}
+    return {s.uid: s for r in requests for ref in handle.stream.remote([r]) for s in ray.get(ref)}
 
 
 def _max_diff(model, samples: dict, temperature: float) -> float:

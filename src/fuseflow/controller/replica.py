@@ -80,9 +80,14 @@ class RolloutReplica:
                 "backend": type(e).__name__, "signature": signature(self.model), "version": e.policy_version}
 
     # ------------------------------------------------------------------ generation
-    def stream(self, requests: list[RolloutRequest], background: bool = False) -> Iterator[Sample]:
-        """Add ``requests`` and yield every sample as it finishes until the engine has nothing left.
+    def stream(self, requests: list[RolloutRequest], background: bool = False) -> Iterator[list[Sample]]:
+        """Add ``requests`` and yield finished samples as they finish until the engine has nothing left:
+        each item holds every sample finished since the last one was yielded (at least one).
 
+        Why lists, not one sample per item: each streamed item costs both processes a message; for 256
+        samples one per item took ~110 ms of CPU (controller and replica together) against ~30 ms for
+        four per item (docs/ray_rollout.md). An engine step often finishes several samples, and
+        none waits for another: whatever finished is sent the moment the stream can send.
         ``background`` decodes under ``SCHED_IDLE`` (an async prefetch beside training). One
         stream at a time: the controller starts another only after ``add`` said none runs.
         """
@@ -95,10 +100,22 @@ class RolloutReplica:
             self._running = True
         threading.Thread(target=self._decode, args=(out, background), daemon=True,
                          name=f"decode-{self.index}").start()
-        while (item := out.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        while True:
+            items, finished = [out.get()], []
+            while True:  # what else the decode thread finished meanwhile goes in the same item
+                try:
+                    items.append(out.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _END or isinstance(item, BaseException):
+                    if finished:
+                        yield finished
+                    if isinstance(item, BaseException):
+                        raise item
+                    return
+                finished.extend(item)
+            yield finished
 
     def _decode(self, out: queue.Queue, background: bool) -> None:
         tid = threading.get_native_id()
@@ -113,8 +130,8 @@ class RolloutReplica:
                 rows, t0 = self.engine.running_rows(), time.perf_counter()
                 done = self.engine.step()
                 self._log.append((rows, time.perf_counter() - t0))
-                for s in done:
-                    out.put(s)
+                if done:
+                    out.put(list(done))
         except BaseException as e:  # noqa: BLE001 - raised in the stream, which the controller reads
             with self._lock:
                 self._running = False

@@ -5,7 +5,8 @@ The pooled strategies (``fuseflow.schedule.modes``) call ``run``, ``migrate``, `
 replica process (``fuseflow.controller.replica``) with its own engine and weights copy:
 
 - ``run`` starts one Ray streaming generator per replica with a shard; a controller thread per
-  stream blocks on its next sample (no polling) and hands it on as it arrives. A stream ends
+  stream blocks on its next item (the samples finished since the last; no polling) and hands each
+  sample on as it arrives. A stream ends
   when its engine runs dry: the replica is then released (elastic bills held time per stream).
 - Inference tasks (``TaskQueue``) run on a few controller threads that only wait on the
   inference groups' Ray futures; the models live in the inference roles' processes, so a micro-batch
@@ -172,10 +173,10 @@ class RayRolloutPool:
         t0 = time.perf_counter()
         try:
             with self.tracer.span("generate", step, track=self.tracks[i]):
-                for ref in gen:  # blocks until the replica yields its next finished sample
-                    s = ray.get(ref)
-                    self.tracer.instant("sample_done", step, track=self.tracks[i], uid=s.uid)
-                    on_sample(i, s)
+                for ref in gen:  # blocks until the replica yields its next finished samples
+                    for s in ray.get(ref):
+                        self.tracer.instant("sample_done", step, track=self.tracks[i], uid=s.uid)
+                        on_sample(i, s)
         except BaseException as e:  # noqa: BLE001 - the controller raises it (check_alive)
             self.errors[i] = e
             tasks.close()  # the step is lost: dispatchers finish what they hold and end
