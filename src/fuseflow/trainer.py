@@ -58,13 +58,16 @@ class PromptStream:
 
     def __init__(self, n: int, seed: int, cursor: int = 0):
         self.n, self.seed, self.cursor = n, seed, cursor
+        self._perm: tuple[int, list[int]] | None = None  # (epoch, its order): drawn once per epoch
 
     def take(self, k: int) -> list[int]:
         out = []
         for _ in range(k):
             epoch, i = divmod(self.cursor, self.n)
-            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
-            out.append(int(perm[i]))
+            if self._perm is None or self._perm[0] != epoch:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                self._perm = (epoch, torch.randperm(self.n, generator=gen).tolist())
+            out.append(self._perm[1][i])
             self.cursor += 1
         return out
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -121,19 +122,40 @@ class Batch:
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
 
 
-def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width: int | None = None) -> torch.Tensor:
-    """(B, width) long tensor of ``seqs`` padded on the left or right with ``pad_id``."""
-    width = max((len(s) for s in seqs), default=0) if width is None else width
-    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s) > width:
-            raise ValueError(f"sequence {i} has {len(s)} tokens, more than the width {width}")
-        if s:
-            if left:
-                out[i, width - len(s):] = torch.as_tensor(s)
-            else:
-                out[i, : len(s)] = torch.as_tensor(s)
+def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width: int | None = None,
+                  dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(B, width) tensor of ``seqs`` padded on the left or right with ``pad_id`` (``dtype``: long ids by
+    default; float for per-token values such as log-probs).
+
+    One tensor of all the values and one masked write, not a write per row: a step's 256 rows took
+    ~10 ms a field row by row on the 2-core machine, which the controller pays for every micro-batch.
+
+    >>> pad_sequences([[1, 2], [3]], 0, left=True)
+    tensor([[1, 2],
+            [0, 3]])
+    """
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    longest = int(lengths.max()) if len(seqs) else 0
+    width = longest if width is None else width
+    if longest > width:
+        i = int((lengths > width).nonzero()[0])
+        raise ValueError(f"sequence {i} has {len(seqs[i])} tokens, more than the width {width}")
+    out = torch.full((len(seqs), width), pad_id, dtype=dtype)
+    if longest:  # a boolean-mask write fills row by row, left to right: each row's values in order
+        out[length_mask(lengths, width, left)] = torch.tensor(list(chain.from_iterable(seqs)), dtype=dtype)
     return out
+
+
+def length_mask(lengths: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    """(B, width) bool, True on the real positions of rows of ``lengths`` padded on the left or right.
+
+    >>> length_mask(torch.tensor([2, 0, 1]), 2, left=True)
+    tensor([[ True,  True],
+            [False, False],
+            [False,  True]])
+    """
+    cols = torch.arange(width)
+    return cols >= width - lengths[:, None] if left else cols < lengths[:, None]
 
 
 def unpad(row: torch.Tensor, mask: torch.Tensor) -> list:

@@ -8,7 +8,14 @@ from contextlib import nullcontext
 
 import torch
 
-from fuseflow.data.batch import Batch, length_sorted_chunks, pad_sequences, scatter_rows, trim_padding
+from fuseflow.data.batch import (
+    Batch,
+    length_mask,
+    length_sorted_chunks,
+    pad_sequences,
+    scatter_rows,
+    trim_padding,
+)
 from fuseflow.rollout.base import Sample
 
 
@@ -18,11 +25,10 @@ def samples_to_batch(samples: list[Sample], pad_id: int, prompts: list[str], res
     r_ids = [s.response_ids for s in samples]
     prompt = pad_sequences(p_ids, pad_id, left=True)
     response = pad_sequences(r_ids, pad_id, left=False)
-    p_mask = pad_sequences([[1] * len(x) for x in p_ids], 0, left=True)
-    r_mask = pad_sequences([[1] * len(x) for x in r_ids], 0, left=False)
-    behavior = torch.zeros(response.shape)
-    for i, s in enumerate(samples):
-        behavior[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    p_mask = length_mask(torch.tensor([len(x) for x in p_ids]), prompt.shape[1], left=True).long()
+    r_mask = length_mask(torch.tensor([len(x) for x in r_ids]), response.shape[1], left=False).long()
+    behavior = pad_sequences([s.logprobs for s in samples], 0, left=False, width=response.shape[1],
+                             dtype=torch.float32)
     return Batch(
         {
             "input_ids": torch.cat([prompt, response], dim=1),  # (B, Tp+Tr)
