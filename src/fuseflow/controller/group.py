@@ -214,14 +214,12 @@ class WorkerGroup(ABC):
         not enter from two threads at once, nor in an order that differs between its processes."""
         return self.world_size == 1
 
-    def lend_threads(self, cores: dict[str, int], background: bool = False) -> None:
+    def lend_threads(self, cores: dict[str, int]) -> None:
         """Give each rank's process as many more intra-op threads as ``cores`` names for its Ray node
         (``{}``: back to its own), until told otherwise.
 
-        For the cores of rollout replicas that sit idle: while this role trains (sequential modes),
-        or with ``background`` for the calls started in ``background()`` from now on (a fused step's
-        inference after its generation ended). In-process groups compute on the controller's
-        threads, which the caller sets itself.
+        For the cores of rollout replicas that sit idle while this role trains (sequential modes).
+        In-process groups compute on the controller's threads, which the caller sets itself.
         """
         return None  # in-process: nothing to lend (RayGroup overrides it)
 

@@ -43,7 +43,6 @@ class WorkerHost:
     def __init__(self, pool: str, rank: int, world_size: int, threads: int = 1):
         self.pool, self.rank, self.world_size = pool, rank, world_size
         self.threads = max(1, threads)  # the bundle's CPUs
-        self.background_threads = self.threads  # what a background-lane call computes on (lend_threads)
         torch.set_num_threads(self.threads)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda":  # Ray makes exactly this worker's GPU visible, as device 0
@@ -113,35 +112,23 @@ class WorkerHost:
     def call_background(self, role: str, method: str, args: tuple, kwargs: dict,
                         ticket: int | None = None) -> tuple[Any, float, float]:
         """``call`` under ``SCHED_IDLE``: only ever sent to the ``background`` lane, whose one thread keeps
-        that priority for the process's life (leaving it may need a privilege); see ``group.background``.
-        It computes on ``background_threads`` intra-op threads (``lend_threads(..., background=True)``)."""
+        that priority for the process's life (leaving it may need a privilege); see ``group.background``."""
         set_background(threading.get_native_id(), True)
-        lent = self.background_threads
-        if lent != self.threads:
-            torch.set_num_threads(lent)
-        try:
-            return self.call(role, method, args, kwargs, ticket, "background")
-        finally:
-            if lent != self.threads:  # MKL's count is process-wide: the other lanes get theirs back
-                torch.set_num_threads(self.threads)
+        return self.call(role, method, args, kwargs, ticket, "background")
 
-    def lend_threads(self, cores: dict[str, int], background: bool = False) -> int:
+    def lend_threads(self, cores: dict[str, int]) -> int:
         """Compute on the bundle's threads plus ``cores[this node]`` (``{}``: just the bundle's), never more
         than the cores this process may run on; returns that thread count.
 
-        The controller lends the cores of rollout replicas on this node while they sit idle: to the
-        serial lane (this call's thread: a sequential mode's updates), or with ``background`` to the
-        background lane's calls that start from now on (a fused step's inference once generation
-        has ended). Ray counts CPU slots for placement and does not pin threads.
+        The controller lends the cores of rollout replicas on this node while they sit idle to the
+        serial lane (this call's thread: a sequential mode's updates). Ray counts CPU slots for
+        placement and does not pin threads.
         """
         import ray
 
         extra = max(0, cores.get(ray.get_runtime_context().get_node_id(), 0))
         have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         n = max(1, min(self.threads + extra, max(have, self.threads)))
-        if background:
-            self.background_threads = n
-            return n
         torch.set_num_threads(n)
         return torch.get_num_threads()
 

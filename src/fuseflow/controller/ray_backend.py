@@ -319,11 +319,7 @@ class RayGroup(WorkerGroup):
                                       "background" if method == "call_background" else "serial")
         return future
 
-    def lend_threads(self, cores: dict[str, int], background: bool = False) -> None:
-        if background:  # for calls still to come: set on the beside lane (free now), not waited for
-            for h in self.hosts:
-                h.lend_threads.options(concurrency_group="beside").remote(cores, True)
-            return
+    def lend_threads(self, cores: dict[str, int]) -> None:
         refs = [h.lend_threads.remote(cores) for h in self.hosts]
         _wait_ranks(self.role, "lend_threads", list(range(len(refs))), refs, self.pool)
 

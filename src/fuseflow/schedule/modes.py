@@ -257,41 +257,24 @@ class Pooled(Strategy):
         self._gen_seconds = time.perf_counter() - t_start
         if self.chooser and last_finish:
             self.chooser.info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
-        # Generation is over and nothing trains yet: the replica processes' cores are idle, so the
-        # streamed inference left (the critical path now) computes on them too. Not in elastic modes,
-        # which release those cores (and bill only the time they are held).
-        lend = stream and foreground and not self.pool.threaded and not self.elastic
-        if lend:
-            self._lend_to_inference(self.pool.lendable_cores())
-        try:
-            if stream and len(batcher):
-                submit(batcher.take(), stream)
-            rest = tuple(x for x in after if x not in stream)
-            if rest:
-                for group in _by_length(done, self.s.token_budget):
-                    submit(group, rest)
-            tasks.close()
-            while helps and self._help(step, tasks):
-                pass
-            # Every sample is in: pack them while the workers finish the step's inference.
-            gen = Generated.of(done, prompt_of, self.stages.tokenizer, migrated)
-            self.stages.pack(gen)
-            self.pool.join()
-        finally:
-            if lend:
-                self._lend_to_inference({})
+        if stream and len(batcher):
+            submit(batcher.take(), stream)
+        rest = tuple(x for x in after if x not in stream)
+        if rest:
+            for group in _by_length(done, self.s.token_budget):
+                submit(group, rest)
+        tasks.close()
+        while helps and self._help(step, tasks):
+            pass
+        # Every sample is in: pack them while the workers finish the step's inference.
+        gen = Generated.of(done, prompt_of, self.stages.tokenizer, migrated)
+        self.stages.pack(gen)
+        self.pool.join()
         self.pool.check_alive(step)
         if self.chooser:
             self.chooser.observe(requests, done)
         gen.merge(results)
         return gen
-
-    def _lend_to_inference(self, cores: dict[str, int]) -> None:
-        """Background-lane calls of the inference roles' processes from now on compute on ``cores`` more."""
-        r = self.stages.roles
-        for g in {id(g): g for g in (r.actor, r.reference, r.reward, *r.critics)}.values():
-            if g.runs_beside:  # the only groups whose calls take the background lane
-                g.lend_threads(cores, background=True)
 
     def _complete(self, step: int, gen: Generated) -> None:
         """Stages not run yet on some samples, as length-sorted micro-batches on the idle rollout workers."""

@@ -11,8 +11,7 @@ replica process (``fuseflow.controller.replica``) with its own engine and weight
 - Inference tasks (``TaskQueue``) run on a few controller threads that only wait on the
   inference groups' Ray futures; the models live in the inference roles' processes, so a micro-batch
   goes out the moment it fills, whatever the replicas are doing (streamed and prefetch micro-batches
-  run in those processes' background lane, on cores the decode and training leave idle, and once a
-  fused step's generation has ended on the replicas' cores too (``lendable_cores``); see
+  run in those processes' background lane, on cores the decode and training leave idle; see
   ``controller.group.background``). A replica with nothing to decode
   takes the stages its models can run: the old log-probs (``logprobs_future``) while its
   weights are the actor's, and the reference log-probs (a frozen copy it loaded once); the
