@@ -21,6 +21,12 @@ HOLD_S = 30.0  # longest hold; the test fails (no migration) rather than hangs i
 def held_tail(build, ctx):
     """``build(ctx)``'s (engine, scorers...), the engine holding its tail as the module says."""
     engine, *scorers = build(ctx)
+    return hold_tail(engine), *scorers
+
+
+def hold_tail(engine):
+    """Make ``engine`` (patched in place, and returned) hold its tail as the module says; also for the
+    local backend's worker threads, whose engines the test wraps after the pool builds them."""
     step, add, abort = engine.step, engine.add, engine.abort
     state = {"finished": 0, "release": threading.Event()}
 
@@ -44,4 +50,4 @@ def held_tail(build, ctx):
         return abort(uids)
 
     engine.step, engine.add, engine.abort = held_step, held_add, held_abort
-    return engine, *scorers
+    return engine
