@@ -93,3 +93,16 @@ def test_prompt_stream_takes_each_epochs_seeded_order_across_epochs_and_a_moved_
     assert s.take(5) + s.take(5) + s.take(9) == naive(3, 7, 0, 19)  # three epochs
     s.cursor = 2  # a resumed run sets the cursor
     assert s.take(6) == naive(3, 7, 2, 6) and s.cursor == 8
+
+
+def test_prompt_response_lays_out_left_padded_prompts_then_right_padded_responses_with_their_masks():
+    from fuseflow.data.batch import prompt_response
+
+    prompts, responses = [[5, 6, 7], [8], []], [[1], [2, 3, 4, 9], [4, 4]]
+    ids, mask, r_mask = prompt_response(prompts, responses, 0)
+    want_p = _naive_pad(prompts, 0, True, 3, torch.long)
+    want_r = _naive_pad(responses, 0, False, 4, torch.long)
+    assert torch.equal(ids, torch.cat([want_p, want_r], 1))
+    ones = lambda seqs, left, w: _naive_pad([[1] * len(x) for x in seqs], 0, left, w, torch.long)  # noqa: E731
+    assert torch.equal(r_mask, ones(responses, False, 4))
+    assert torch.equal(mask, torch.cat([ones(prompts, True, 3), r_mask], 1)) and mask.dtype == torch.long

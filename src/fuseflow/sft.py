@@ -20,7 +20,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from fuseflow.config import Config
-from fuseflow.data.batch import Batch, pad_sequences
+from fuseflow.data.batch import Batch, prompt_response
 from fuseflow.data.files import read_json
 from fuseflow.data.tokenizer import stop_token_ids
 from fuseflow.evaluate import encode_prompts, evaluate
@@ -101,11 +101,8 @@ def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> 
     resp_ids = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     end = stop_token_ids(tokenizer)[0]  # a chat model ends its turn with the template's end-of-turn token
     resp_ids = [r[: max_response_len - 1] + [end] for r in resp_ids]
-    pad = tokenizer.pad_token_id
-    p_mask = pad_sequences([[1] * len(x) for x in prompt_ids], 0, left=True)
-    r_mask = pad_sequences([[1] * len(x) for x in resp_ids], 0, left=False)
-    return Batch({"input_ids": torch.cat([pad_sequences(prompt_ids, pad, True), pad_sequences(resp_ids, pad, False)], 1),
-                  "attention_mask": torch.cat([p_mask, r_mask], 1), "response_mask": r_mask.float()})
+    ids, mask, r_mask = prompt_response(prompt_ids, resp_ids, tokenizer.pad_token_id)
+    return Batch({"input_ids": ids, "attention_mask": mask, "response_mask": r_mask.float()})
 
 
 def new_model(cfg: Config, tokenizer) -> CausalLM:

@@ -127,8 +127,9 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width:
     """(B, width) tensor of ``seqs`` padded on the left or right with ``pad_id`` (``dtype``: long ids by
     default; float for per-token values such as log-probs).
 
-    One tensor of all the values and one masked write, not a write per row: a step's 256 rows took
-    ~10 ms a field row by row on the 2-core machine, which the controller pays for every micro-batch.
+    One tensor of all the values and one masked write, not a write per row: for 256 rows of 5-70 ids,
+    0.9-1.1 ms against 3.4-3.6 ms row by row (2-core machine), which the controller pays per field of
+    every micro-batch.
 
     >>> pad_sequences([[1, 2], [3]], 0, left=True)
     tensor([[1, 2],
@@ -156,6 +157,22 @@ def length_mask(lengths: torch.Tensor, width: int, left: bool) -> torch.Tensor:
     """
     cols = torch.arange(width)
     return cols >= width - lengths[:, None] if left else cols < lengths[:, None]
+
+
+def prompt_response(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, response_mask)`` in the batch layout: prompts left-padded, then
+    responses right-padded; the masks long, 1 on real tokens.
+
+    >>> prompt_response([[5], [6, 7]], [[8, 9], [1]], 0)[0]
+    tensor([[0, 5, 8, 9],
+            [6, 7, 1, 0]])
+    """
+    prompt = pad_sequences(prompt_ids, pad_id, left=True)
+    response = pad_sequences(response_ids, pad_id, left=False)
+    p_mask = length_mask(torch.tensor([len(x) for x in prompt_ids]), prompt.shape[1], left=True).long()
+    r_mask = length_mask(torch.tensor([len(x) for x in response_ids]), response.shape[1], left=False).long()
+    return torch.cat([prompt, response], 1), torch.cat([p_mask, r_mask], 1), r_mask
 
 
 def unpad(row: torch.Tensor, mask: torch.Tensor) -> list:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fuseflow.data.batch import pad_sequences
+from fuseflow.data.batch import length_mask, pad_sequences
 from fuseflow.data.files import read_json
 from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import ValueModel, last_token_values
@@ -35,7 +35,7 @@ def encode_texts(tokenizer, prompts: list[str], responses: list[str]) -> tuple[t
     r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     seqs = [p + r + [tokenizer.eos_token_id] for p, r in zip(p_ids, r_ids, strict=True)]
     ids = pad_sequences(seqs, tokenizer.pad_token_id, left=True)
-    mask = pad_sequences([[1] * len(s) for s in seqs], 0, left=True)
+    mask = length_mask(torch.tensor([len(s) for s in seqs]), ids.shape[1], left=True).long()
     return ids, mask
 
 

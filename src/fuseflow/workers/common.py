@@ -10,9 +10,9 @@ import torch
 
 from fuseflow.data.batch import (
     Batch,
-    length_mask,
     length_sorted_chunks,
     pad_sequences,
+    prompt_response,
     scatter_rows,
     trim_padding,
 )
@@ -21,18 +21,13 @@ from fuseflow.rollout.base import Sample
 
 def samples_to_batch(samples: list[Sample], pad_id: int, prompts: list[str], responses: list[str]) -> Batch:
     """Pack finished samples into the (prompt left-padded | response right-padded) layout of ``Batch``."""
-    p_ids = [s.prompt_ids for s in samples]
-    r_ids = [s.response_ids for s in samples]
-    prompt = pad_sequences(p_ids, pad_id, left=True)
-    response = pad_sequences(r_ids, pad_id, left=False)
-    p_mask = length_mask(torch.tensor([len(x) for x in p_ids]), prompt.shape[1], left=True).long()
-    r_mask = length_mask(torch.tensor([len(x) for x in r_ids]), response.shape[1], left=False).long()
-    behavior = pad_sequences([s.logprobs for s in samples], 0, left=False, width=response.shape[1],
+    ids, mask, r_mask = prompt_response([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+    behavior = pad_sequences([s.logprobs for s in samples], 0, left=False, width=r_mask.shape[1],
                              dtype=torch.float32)
     return Batch(
         {
-            "input_ids": torch.cat([prompt, response], dim=1),  # (B, Tp+Tr)
-            "attention_mask": torch.cat([p_mask, r_mask], dim=1),  # (B, Tp+Tr)
+            "input_ids": ids,  # (B, Tp+Tr)
+            "attention_mask": mask,  # (B, Tp+Tr)
             "response_mask": r_mask.float(),  # (B, Tr)
             "behavior_logprobs": behavior,  # (B, Tr)
         },
