@@ -216,3 +216,71 @@ def test_a_replica_stream_yields_what_finished_before_its_engine_failed_then_rai
         assert "engine failed" in str(e)
     else:
         raise AssertionError("the engine's error did not reach the stream")
+
+
+def test_a_foreground_generation_sends_a_partial_micro_batch_only_when_a_replica_is_free():
+    """While every replica decodes, a partial micro-batch would only wait in the roles' idle lane (the step's
+    first sample went out alone that way); it goes once a replica has nothing to decode or score. A prefetch
+    keeps the dispatchers' count: its replicas never take the old log-probs."""
+    pool = RayRolloutPool(_Replicas(2), actor=None, tracer=Tracer(), first_track=1)
+    pool._dispatchers = 2
+    pool._args = (3, None, None, False)
+    pool.live = {0: 1, 1: 1}
+    assert pool.idle_live() == 0
+    del pool.live[1]  # replica 1's share is done
+    assert pool.idle_live() == 1
+    pool._scoring.add(1)  # ... and it scores a micro-batch
+    assert pool.idle_live() == 0
+    pool._scoring.clear()
+    pool._busy_dispatchers = 1  # a micro-batch is in flight: what finishes meanwhile joins the next one
+    assert pool.idle_live() == 0
+    pool._busy_dispatchers, pool._args = 0, (3, None, None, True)
+    pool.live = {0: 1, 1: 1}
+    assert pool.idle_live() == 2
+
+
+def test_the_critics_values_start_before_the_log_probs_a_replica_could_take():
+    """On Ray the roles' lane runs calls in order: the values, which only it can compute, go first, so the
+    log-probs queued behind them stay open to a replica that comes free."""
+    from fuseflow.schedule.stages import Roles, Stages
+
+    order = []
+
+    def group(role, method):
+        return SimpleNamespace(role=role, **{method: SimpleNamespace(future=lambda b: order.append(role))})
+
+    stages = Stages.__new__(Stages)
+    stages.roles = Roles(actor=group("actor", "compute_logprobs"), reference=group("reference", "compute_logprobs"),
+                         reward=None, critics=[group("critic", "compute_values")])
+    calls = stages.inference_calls(SimpleNamespace(), ("old_logprob", "reference", "reward", "critic"))
+    assert list(calls) == ["values", "old_logprobs", "ref_logprobs"]
+    for start in calls.values():
+        start()
+    assert order == ["critic", "actor", "reference"]
+
+
+def test_a_replica_computes_log_probs_on_a_thread_of_its_own_under_sched_idle():
+    """A free replica's log-probs yield the core to the other replica's decode and share what is left with
+    the critic's values in the roles' idle lane; Ray's call thread keeps its normal priority."""
+    import os
+
+    import pytest
+
+    from fuseflow.controller.replica import RolloutReplica
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("SCHED_IDLE is Linux's")
+    seen = []
+
+    def score(batch):
+        seen.append((threading.get_native_id(), os.sched_getscheduler(0)))
+        return batch * 2
+
+    scorer = SimpleNamespace(compute_logprobs=score)
+    replica = RolloutReplica(lambda: (_StepEngine([]), scorer, scorer), 0)
+    for reference in (False, True):
+        out, _seconds = replica.compute_logprobs(torch.ones(2), reference)
+        assert out.array.tolist() == [2.0, 2.0]
+    (tid, policy), (tid2, _) = seen
+    assert tid == tid2 != threading.get_native_id() and policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE

@@ -229,6 +229,8 @@ class Pooled(Strategy):
                 w, smp = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
             except queue.Empty:
                 self.pool.check_alive(step)
+                if stream and tasks.empty() and len(batcher) and self._idle_live():
+                    submit(batcher.take(), stream)  # a worker came free with no new sample to prompt it
                 if helps and self._help(step, tasks):
                     continue
                 if helps:

@@ -115,14 +115,24 @@ class RayRolloutPool:
             return len(self.live)
 
     def idle_live(self) -> int:
-        """Dispatchers waiting for a task, or 0 while one is in flight.
+        """How many would take a partial micro-batch now: 0 while one is in flight; else, in a foreground
+        generation, the replicas with nothing to decode or score, and in a background one (an async
+        prefetch) the waiting dispatchers.
 
-        Why 0 then: the inference roles' processes are busy, so finished samples had better wait
-        and join one larger micro-batch than queue behind it in small ones (a Ray call per stage
-        each); once the flight lands, what gathered meanwhile goes out together.
+        Why 0 while one flies: the inference roles' processes are busy, so finished samples had better
+        wait and join one larger micro-batch than queue behind it in small ones (a Ray call per stage
+        each); once the flight lands, what gathered meanwhile goes out together. Why free replicas in
+        the foreground: while every replica decodes, the roles' background lane computes only on
+        cores the decode leaves idle, so a partial micro-batch sent then just waits there. The step's
+        first finished sample used to go out alone that way, four Ray calls and forwards for one
+        sample; samples now gather until the token budget closes a micro-batch or a replica comes free.
         """
         with self._lock:
-            return 0 if self._busy_dispatchers else self._dispatchers
+            if self._busy_dispatchers:
+                return 0
+            if self._args is not None and not self._args[3]:
+                return len(self._free_replicas()) if self._dispatchers else 0
+            return self._dispatchers
 
     def join(self) -> None:
         """Wait for the step's streams and dispatchers; collect the replicas' measured engine steps."""

@@ -203,15 +203,17 @@ class Stages:
         """
         r = self.roles
         calls = {}
+        # The critics first: on Ray their values run only in the roles' process, whose lane runs calls in
+        # order; log-probs queued behind them can still be taken over by a replica that comes free.
+        for c in r.critics:
+            if c.role in names:
+                calls[f"{CRITIC_PREFIX[c.role]}values"] = lambda c=c: c.compute_values.future(batch)
         if "old_logprob" in names:
             own = r.actor.compute_logprobs.future
             calls["old_logprobs"] = lambda: (old_logprob(batch, own) if old_logprob else None) or own(batch)
         if "reference" in names:
             own_ref = r.reference.compute_logprobs.future
             calls["ref_logprobs"] = lambda: (ref_logprob(batch, own_ref) if ref_logprob else None) or own_ref(batch)
-        for c in r.critics:
-            if c.role in names:
-                calls[f"{CRITIC_PREFIX[c.role]}values"] = lambda c=c: c.compute_values.future(batch)
         return calls
 
     def infer(self, samples: list[Sample], names: Sequence[str], prompt_of: dict,
