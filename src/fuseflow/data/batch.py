@@ -135,6 +135,12 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width:
     tensor([[1, 2],
             [0, 3]])
     """
+    return _padded(seqs, pad_id, left, width, dtype)[0]
+
+
+def _padded(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width: int | None = None,
+            dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pad_sequences``' tensor and the (B, width) bool mask of its real positions."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     longest = int(lengths.max()) if len(seqs) else 0
     width = longest if width is None else width
@@ -142,9 +148,10 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_id: int, left: bool, width:
         i = int((lengths > width).nonzero()[0])
         raise ValueError(f"sequence {i} has {len(seqs[i])} tokens, more than the width {width}")
     out = torch.full((len(seqs), width), pad_id, dtype=dtype)
+    mask = length_mask(lengths, width, left)
     if longest:  # a boolean-mask write fills row by row, left to right: each row's values in order
-        out[length_mask(lengths, width, left)] = torch.tensor(list(chain.from_iterable(seqs)), dtype=dtype)
-    return out
+        out[mask] = torch.tensor(list(chain.from_iterable(seqs)), dtype=dtype)
+    return out, mask
 
 
 def length_mask(lengths: torch.Tensor, width: int, left: bool) -> torch.Tensor:
@@ -168,11 +175,10 @@ def prompt_response(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[
     tensor([[0, 5, 8, 9],
             [6, 7, 1, 0]])
     """
-    prompt = pad_sequences(prompt_ids, pad_id, left=True)
-    response = pad_sequences(response_ids, pad_id, left=False)
-    p_mask = length_mask(torch.tensor([len(x) for x in prompt_ids]), prompt.shape[1], left=True).long()
-    r_mask = length_mask(torch.tensor([len(x) for x in response_ids]), response.shape[1], left=False).long()
-    return torch.cat([prompt, response], 1), torch.cat([p_mask, r_mask], 1), r_mask
+    prompt, p_mask = _padded(prompt_ids, pad_id, left=True)
+    response, r_mask = _padded(response_ids, pad_id, left=False)
+    r_mask = r_mask.long()
+    return torch.cat([prompt, response], 1), torch.cat([p_mask.long(), r_mask], 1), r_mask
 
 
 def unpad(row: torch.Tensor, mask: torch.Tensor) -> list:

@@ -223,14 +223,18 @@ class Pooled(Strategy):
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
 
+        def hand_partial() -> None:
+            """A worker would sit idle: hand it the samples gathered so far."""
+            if stream and tasks.empty() and len(batcher) and self._idle_live():
+                submit(batcher.take(), stream)
+
         deadline = time.perf_counter() + WAIT_S
         while len(done) < n:
             try:
                 w, smp = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
             except queue.Empty:
                 self.pool.check_alive(step)
-                if stream and tasks.empty() and len(batcher) and self._idle_live():
-                    submit(batcher.take(), stream)  # a worker came free with no new sample to prompt it
+                hand_partial()  # a worker may have come free with no new sample to prompt it
                 if helps and self._help(step, tasks):
                     continue
                 if helps:
@@ -247,8 +251,8 @@ class Pooled(Strategy):
                 closed = batcher.add(smp)
                 if closed:
                     submit(closed, stream)
-                elif tasks.empty() and len(batcher) and self._idle_live():
-                    submit(batcher.take(), stream)  # a worker would sit idle: hand it what there is
+                else:
+                    hand_partial()
             # Migration frees a worker only while two or more hold unfinished samples: otherwise asking them
             # (a round trip to every replica process, each answered between its engine steps) is skipped.
             if (threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold)
