@@ -12,9 +12,11 @@ migrate). Holding only delays decoding: the tokens are those of an unheld run.
 from __future__ import annotations
 
 import threading
+import time
 
 from fuseflow.rollout.base import RolloutRequest
 
+SLOW_S = 1.0  # ``slow_update``'s wait before each update
 HOLD_S = 30.0  # longest hold; the test fails (no migration) rather than hangs if the controller never acts
 
 
@@ -51,3 +53,17 @@ def hold_tail(engine):
 
     engine.step, engine.add, engine.abort = held_step, held_add, held_abort
     return engine
+
+
+def slow_update(build, *args, **kwargs):
+    """``build(*args, **kwargs)``'s worker, whose ``update`` waits ``SLOW_S`` before it trains: the model
+    keeps its old weights that long (the fused test's early next generation must not use them)."""
+    worker = build(*args, **kwargs)
+    update = worker.update
+
+    def slow(*a, **k):
+        time.sleep(SLOW_S)
+        return update(*a, **k)
+
+    worker.update = slow
+    return worker

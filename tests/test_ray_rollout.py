@@ -73,12 +73,15 @@ def _same_training(a, b):
 def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_path, sft_cache, sequential,
                                                                            monkeypatch):
     import fuseflow.trainer
-    from ray_hooks import held_tail
+    from ray_hooks import held_tail, slow_update
 
     # Each replica holds its tail until the controller migrates, so the step is in its tail with both
     # replicas decoding when the trigger fires (whatever the machine's load); the tokens are unchanged.
     monkeypatch.setattr(fuseflow.trainer, "build_rollout_engine",
                         partial(held_tail, fuseflow.trainer.build_rollout_engine))
+    # The critic's update trains a second late: step 2 starts decoding once the actor has trained, and its
+    # values must still come from the trained critic (equal to sequential's below).
+    monkeypatch.setattr(fuseflow.trainer, "build_critic", partial(slow_update, fuseflow.trainer.build_critic))
     synced = {}
 
     def check_weights(tr):
@@ -90,6 +93,9 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
         synced["sent"] = sent
         synced["expected"] = sum(want[k].nbytes for k in got[0])
         synced["pids"] = set(tr.replicas.pids)
+        # step 2's generation started while step 1's critic was still training (the actor had)
+        critic_end = _span_bounds(tr.tracer, "critic_update", 1)[1]
+        synced["step2_decoding_before_critic_trained"] = _span_bounds(tr.tracer, "generate", 2)[0] < critic_end
 
     fused = _run(tmp_path, sft_cache, ["schedule.mode=fused", *REPLICAS, "schedule.migration_threshold=0.9",
                                        "schedule.token_budget=256"], after=check_weights)
@@ -99,9 +105,16 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
     assert len(synced["pids"]) == 2  # two replica processes
     assert all(m["schedule/migrated_samples"] > 0 for m in fused[1])  # the tail moved between processes
     assert sum(m["schedule/replica_logprob_batches"] for m in fused[1]) > 0  # freed replicas took inference
-    assert fused[1][1]["rollout/weight_sync_mb"] == pytest.approx(synced["sent"] / 2**20)
+    # the sync after step 1's update is step 1's: step 2 starts decoding on it before step 1 ends
+    assert fused[1][0]["rollout/weight_sync_mb"] == pytest.approx(synced["sent"] / 2**20)
     versions = [set(b.meta["policy_version"]) for b in fused[0]]
     assert versions == [{0}, {1}]  # step 2 decoded with the weights synced after step 1
+    assert synced["step2_decoding_before_critic_trained"]
+
+
+def _span_bounds(tracer, name, step):
+    spans = [e for e in tracer.events if e.get("ph") == "X" and e["name"] == name and e["args"].get("step") == step]
+    return min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
 
 
 def test_elastic_replicas_train_like_sequential_and_bill_held_time(tmp_path, sft_cache, sequential):
@@ -258,3 +271,30 @@ def test_async_replicas_resume_exactly(tmp_path, sft_cache):
     a = load_file(str(tmp_path / "full/checkpoints/step_3/actor/model.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_3/actor/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # three short Ray runs
+def test_fused_replicas_resume_exactly_without_saving_the_early_next_step(tmp_path, sft_cache):
+    """Fused on Ray starts step 3's generation while step 2 ends; its checkpoint does not wait for those
+    samples, and the resumed run decodes them again: the same tokens and rewards as the uninterrupted run.
+    Losses agree to float summation order only: fused micro-batch widths depend on timing, in any run."""
+    from safetensors.torch import load_file
+
+    from fuseflow.runner import train
+    from fuseflow.telemetry.metrics import read_metrics
+
+    cfg = _config(sft_cache, ["schedule.mode=fused", *REPLICAS, "trainer.save_every=1"], steps=3)
+    train(cfg, tmp_path / "full")
+    train(cfg, tmp_path / "cut", stop_after=2)
+    assert not (tmp_path / "cut/checkpoints/step_2/prefetch.json").exists()
+    train(cfg, tmp_path / "cut", resume=True)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [1, 2, 3]
+    exact = ("reward/", "rollout/response_length", "rollout/num_samples", "rollout/stop_frac")
+    for a, b in zip(full, cut, strict=True):
+        assert {k: v for k, v in a.items() if k.startswith(exact)} == {k: v for k, v in b.items() if k.startswith(exact)}
+        for k in ("actor/loss", "critic/loss", "kl/ref_k3"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4), k
+    a = load_file(str(tmp_path / "full/checkpoints/step_3/actor/model.safetensors"))
+    b = load_file(str(tmp_path / "cut/checkpoints/step_3/actor/model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

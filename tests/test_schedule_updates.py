@@ -70,3 +70,70 @@ def test_a_failed_update_keeps_its_own_error_not_the_threads_given_back():
     with pytest.raises(FloatingPointError, match="actor diverged"):
         s.run(1, updates)
     assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 2}), ("critic", "lend", {"node-a": 2})]
+
+
+class _Blocked:
+    """A group future whose result waits for ``release`` (an update still training)."""
+
+    def __init__(self, release, value, fail=False):
+        self.release, self.value, self.fail = release, value, fail
+
+    def result(self):
+        assert self.release.wait(10)
+        if self.fail:
+            raise FloatingPointError("critic diverged")
+        return self.value
+
+
+@pytest.mark.parametrize("critic_fails", [False, True])
+def test_side_by_side_updates_call_actor_trained_while_the_critic_still_trains(critic_fails):
+    """Fused: ``actor_trained`` runs once the actor's update has returned, before the critic's has; its gate
+    opens when both have ended and says whether both succeeded (the next step's held values wait on it)."""
+    import threading
+
+    from fuseflow.controller.group import Done
+
+    log, release, seen = [], threading.Event(), {}
+    s, _ = _stub_updates(MODES["fused"], log)
+    updates = {"critic_update": lambda: _Blocked(release, {"critic/loss": 2.0}, critic_fails),
+               "actor_update": lambda: Done({"actor/loss": 1.0})}
+
+    def actor_trained(gate):
+        seen["open_at_call"] = gate.is_open()
+        gate.on_open(lambda: seen.setdefault("opened", gate.ok))
+        release.set()  # the critic ends only now, after the hook ran
+
+    if critic_fails:
+        with pytest.raises(FloatingPointError, match="critic diverged"):
+            s.run(1, updates, actor_trained)
+    else:
+        assert s.run(1, updates, actor_trained) == {"critic_update": {"critic/loss": 2.0},
+                                                    "actor_update": {"actor/loss": 1.0}}
+    assert seen == {"open_at_call": False, "opened": not critic_fails}
+
+
+def test_in_order_updates_call_actor_trained_after_all_with_the_gate_open():
+    log, seen = [], []
+    s, updates = _stub_updates(MODES["sequential"], log)
+    s.run(1, updates, lambda gate: seen.append((gate.is_open(), gate.ok, len([e for e in log if e[1] == "start"]))))
+    assert seen == [(True, True, 2)]
+
+
+def test_a_failed_actor_update_starts_nothing_early():
+    log, seen = [], []
+    s, updates = _stub_updates(MODES["fused"], log, fail=True)
+    with pytest.raises(FloatingPointError, match="actor diverged"):
+        s.run(1, updates, seen.append)
+    assert seen == []
+
+
+def test_groups_on_different_pools_share_the_lent_cores_in_order():
+    """Sequential on Ray: groups on two pools train at once, so each gets half the replicas' idle cores (not all
+    of them each: that oversubscribed a 2-core machine, steps of 7.4 s against 1.1 s)."""
+    log: list = []
+    s, updates = _stub_updates(MODES["sequential"], log)
+    for g, pool in zip(s.trainers, ("main", "crit"), strict=True):
+        g.pool = pool
+    s.run(1, updates)
+    assert [e for e in log if e[1] == "lend"] == [("actor", "lend", {"node-a": 1}), ("critic", "lend", {"node-a": 1}),
+                                                 ("actor", "lend", {}), ("critic", "lend", {})]

@@ -12,7 +12,10 @@ never the trainer, so the algorithm program (``RLTrainer.step``) is the same in 
 - ``fused``: every finished sample joins a token-budget micro-batch that goes to inference at
   once, while generation goes on; a worker with no samples left runs inference; once the
   unfinished samples drop to the threshold they migrate onto the fewest workers
-  (``policy.migration``) and the freed workers run inference.
+  (``policy.migration``) and the freed workers run inference. On replica processes the next
+  step's generation starts as soon as the actor has trained (its weights synced), beside the
+  critics' updates and the step's bookkeeping; its critic values wait until the critics have
+  trained (``Updates.run``'s gate), so it is exactly the step the sequential order gives.
 - ``async``: the rollout decodes with a copy of the actor's weights, so generation for step
   t+1 runs during training of step t (admitted by the staleness bound); old log-probs and
   critic values are computed afterwards with the current models (the decoupled loss's
@@ -40,6 +43,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +63,7 @@ from .pool import RolloutPool, TaskQueue
 from .ray_pool import RayRolloutPool
 from .stages import FROZEN, Generated, Stages, field_of
 from .staleness import check_staleness, min_version_for, staleness_metrics
-from .updates import Updates
+from .updates import Gate, Updates
 
 WAIT_S = 600.0  # longest wait for one sample before the step is declared stuck
 __all__ = ["MODES", "SPAN_OF", "Sequential", "Strategy", "Pooled", "available_cores", "make_strategy",
@@ -101,6 +105,10 @@ class Pooled(Strategy):
                                self.infer_track + 1, side_by_side=self.fused or self.asynchronous,
                                beside_generation=self.asynchronous)
         self.chooser = ReplicaChooser(s, cfg.model.max_response_len / 2) if self.elastic else None
+        # Fused on replica processes: the next step starts decoding once the actor has trained (``_start_early``).
+        # Not on threads (they would share this process's GIL with the critics' updates) nor with elastic's
+        # per-step replica count, whose billing spans one step.
+        self.early = self.fused and not (self.asynchronous or self.elastic or self.pool.threaded)
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
         self._scored = self._scored_ref = self._stolen = 0
@@ -111,8 +119,9 @@ class Pooled(Strategy):
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         self._begin()
         s = self.s
-        if self.prefetch is not None:  # training is over: a prefetch still decoding gets full priority
-            self.pool.restore_priority()  # (on Ray a round trip to every replica: only when one may be)
+        if self.prefetch is not None and not self.early:  # training is over: a prefetch still decoding gets
+            self.pool.restore_priority()  # full priority (on Ray a round trip to every replica: only when one
+        #                                   may be; an early start has it once the updates ended)
         gen, metrics = self.stages.collect(step, self._draw)
         self._set_weights(step - 1)
         # Async: old log-probs and values need the just-trained models, so they run after the
@@ -171,14 +180,27 @@ class Pooled(Strategy):
         """Start generating ``step`` now if the staleness bound allows it with the rollout's weights."""
         if self.version < min_version_for(step, self.s.max_staleness):
             return  # max_staleness=0: the next step waits for this step's weights (sequential order)
-        cursor = self.stages.stream.cursor
-        requests = self.stages.requests_for(step, 0, self.stages.cfg.trainer.prompts_per_step, 0)
         stream = FROZEN if self.fused else ()
+        self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=stream, after=FROZEN, foreground=False))
+
+    def _start_early(self, step: int, gate: Gate) -> None:
+        """The actor has trained: sync the replicas and start decoding ``step`` now, beside the critics'
+        updates (under SCHED_IDLE until ``gate`` opens), with its critic values held until then."""
+        self._set_weights(step - 1)
+        after = ("reward",) if self.stages.cfg.algorithm.dynamic_sampling else self.names
+        held = tuple(c.role for c in self.stages.roles.critics)
+        self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=self.names, after=after,
+                                                          foreground=False, gate=gate, held=held))
+
+    def _prefetch(self, step: int, generate: Callable[[tuple], Generated]) -> None:
+        """Draw ``step``'s first round now and run ``generate(drawn)`` on a thread: ``self.prefetch``."""
+        cursor = self.stages.stream.cursor
+        drawn = self.stages.requests_for(step, 0, self.stages.cfg.trainer.prompts_per_step, 0)
         fut: Future = Future()
 
         def run() -> None:
             try:
-                fut.set_result(self._generate(step, requests, stream=stream, after=FROZEN, foreground=False))
+                fut.set_result(generate(drawn))
             except BaseException as e:
                 fut.set_exception(e)
 
@@ -187,9 +209,12 @@ class Pooled(Strategy):
 
     # ------------------------------------------------------------------ generation + streamed inference
     def _generate(self, step: int, drawn: tuple[list[RolloutRequest], list], stream: tuple[str, ...],
-                  after: tuple[str, ...], foreground: bool) -> Generated:
+                  after: tuple[str, ...], foreground: bool, gate: Gate | None = None,
+                  held: tuple[str, ...] = ()) -> Generated:
         """Decode ``drawn`` on the rollout workers; stages in ``stream`` run per micro-batch as samples
-        finish, stages in ``after`` (and not streamed) run once all are done, both on free workers."""
+        finish, stages in ``after`` (and not streamed) run once all are done, both on free workers.
+        With a ``gate`` (an early start), stages in ``held`` wait until it opens, and the workers then
+        leave the background (they started in it)."""
         requests, prompts = drawn
         n, tasks, arrived = len(requests), TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
@@ -218,7 +243,14 @@ class Pooled(Strategy):
             with lane():
                 return self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)
 
+        deferred: list[list[Sample]] = []  # micro-batches whose ``held`` stages wait for the gate
+
         def submit(group: list[Sample], names: tuple[str, ...]) -> None:
+            if gate is not None and not gate.is_open() and any(x in held for x in names):
+                deferred.append(group)
+                names = tuple(x for x in names if x not in held)
+                if not names:
+                    return
             results.append(tasks.submit(lambda: infer(group, names)))
             if self.elastic:
                 self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
@@ -228,10 +260,29 @@ class Pooled(Strategy):
             if stream and tasks.empty() and len(batcher) and self._idle_live():
                 submit(batcher.take(), stream)
 
+        def release() -> None:
+            """Once the gate is open: full priority, and the held stages of the micro-batches that wait."""
+            nonlocal gate
+            if gate is None or not gate.is_open():
+                return
+            if not gate.ok:
+                raise RuntimeError(f"step {step}: an update of step {step - 1} failed; its early generation stops")
+            gate = None
+            self.pool.foreground()
+            for group in deferred:
+                submit(group, held)
+            deferred.clear()
+
+        if gate is not None:
+            gate.on_open(lambda: arrived.put(None))  # wakes the loop below
         deadline = time.perf_counter() + WAIT_S
         while len(done) < n:
             try:
-                w, smp = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
+                item = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
+                if item is None:
+                    release()
+                    continue
+                w, smp = item
             except queue.Empty:
                 self.pool.check_alive(step)
                 hand_partial()  # a worker may have come free with no new sample to prompt it
@@ -265,6 +316,9 @@ class Pooled(Strategy):
             self.chooser.info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
         if stream and len(batcher):
             submit(batcher.take(), stream)
+        if gate is not None:
+            gate.wait()
+            release()
         rest = tuple(x for x in after if x not in stream)
         if rest:
             for group in _by_length(done, self.s.token_budget):
@@ -345,7 +399,8 @@ class Pooled(Strategy):
     def train(self, step: int, updates: dict[str, Callable[[], GroupFuture]]) -> dict[str, Any]:
         """Run the step's updates (name -> starter of a group call); their results by name. Side by side
         in fused and async modes, else one after the other on every idle core (``schedule.updates``)."""
-        return self.updates.run(step, updates)
+        early = self.early and step < self.stages.cfg.trainer.steps
+        return self.updates.run(step, updates, partial(self._start_early, step + 1) if early else None)
 
     # ------------------------------------------------------------------ bookkeeping
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -371,8 +426,11 @@ class Pooled(Strategy):
         return out | trace_step_metrics(parse_trace(meta + events), step)
 
     def save(self, ckpt_dir) -> None:
-        """Checkpoint writer: a pending prefetch's samples (waited for), so a resume continues exactly."""
-        if self.prefetch is not None:
+        """Checkpoint writer: a pending async prefetch's samples (waited for), so a resume continues exactly.
+        An early start's are not saved, nor waited for (its failure must not cost the checkpoint of the step
+        that trained): a resume draws its prompts again and decodes them, token for token, from the saved
+        weights."""
+        if self.prefetch is not None and not self.early:
             save_pending(Path(ckpt_dir), self.prefetch[0], self.prefetch[1].result().samples)
 
     def _restore(self, ckpt_dir) -> None:

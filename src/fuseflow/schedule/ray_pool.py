@@ -163,6 +163,16 @@ class RayRolloutPool:
         """Training ended: background decode threads in the replicas go back to normal priority."""
         self.replicas.call("restore_priority")
 
+    def foreground(self) -> None:
+        """The running generation leaves the background (an early start whose updates have ended): its
+        replicas decode at normal priority, and partial micro-batches and stolen log-probs go by free
+        replicas, as in a foreground generation."""
+        with self._lock:
+            if self._args is None or not self._args[3]:
+                return
+            self._args = (*self._args[:3], False)
+        self.restore_priority()
+
     def check_alive(self, step: int) -> None:
         """Raise the first replica failure (a dead process, or its engine's error), naming the replica."""
         if self.errors:
