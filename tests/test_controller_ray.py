@@ -100,6 +100,8 @@ def test_colocated_roles_run_beside_each_other_only_when_asked(ray_cluster):  # 
         assert a.threads() == [1]  # cores of another node are not this process's to take
         a.lend_threads({node: 1})
         assert a.threads() == [min(2, cores)] and b.threads() == [min(2, cores)]  # the process's
+        a.lend_threads({node: 2}, at_once=2)  # two pools train at once: half the lent cores, half the process's
+        assert a.threads() == [max(1, min(2, cores // 2))]
         a.lend_threads({})
         assert a.threads() == [1]
 

@@ -214,9 +214,10 @@ class WorkerGroup(ABC):
         not enter from two threads at once, nor in an order that differs between its processes."""
         return self.world_size == 1
 
-    def lend_threads(self, cores: dict[str, int]) -> None:
+    def lend_threads(self, cores: dict[str, int], at_once: int = 1) -> None:
         """Give each rank's process as many more intra-op threads as ``cores`` names for its Ray node
-        (``{}``: back to its own), until told otherwise.
+        (``{}``: back to its own), until told otherwise; ``at_once`` pools train at the same time and
+        share those cores and the node's.
 
         For the cores of rollout replicas that sit idle while this role trains (sequential modes).
         In-process groups compute on the controller's threads, which the caller sets itself.

@@ -319,8 +319,8 @@ class RayGroup(WorkerGroup):
                                       "background" if method == "call_background" else "serial")
         return future
 
-    def lend_threads(self, cores: dict[str, int]) -> None:
-        refs = [h.lend_threads.remote(cores) for h in self.hosts]
+    def lend_threads(self, cores: dict[str, int], at_once: int = 1) -> None:
+        refs = [h.lend_threads.remote(cores, at_once) for h in self.hosts]
         _wait_ranks(self.role, "lend_threads", list(range(len(refs))), refs, self.pool)
 
 

@@ -130,9 +130,9 @@ class Updates:
         train at once (``overlap``), so they share those cores instead of each taking them all."""
         own = torch.get_num_threads()
         torch.set_num_threads(update_threads(own, len(self.pool)))
-        lent = lent_shares(self.pool.lendable_cores(), self.trainers)
+        lent, at_once = self.pool.lendable_cores(), len({getattr(g, "pool", None) for g in self.trainers})
         for g in self.trainers:
-            g.lend_threads(lent)
+            g.lend_threads(lent, at_once)
         try:
             out = overlap(self.tracer, step, updates)
         finally:
@@ -151,17 +151,3 @@ class Updates:
             except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
                 out.set_exception(e)
 
-
-def lent_shares(cores: dict[str, int], trainers: list[WorkerGroup]) -> dict[str, int]:
-    """The idle cores per node that each trainer group may add to its threads while all of them train:
-    an equal share per pool (groups on one pool share its processes and run one after another; pools
-    run at the same time). Without a share the pools oversubscribe the cores: two pools each taking a
-    2-core machine's two lent cores made sequential PPO steps 7.4 s against 1.1 s on one pool.
-
-    >>> lent_shares({"node-a": 2}, [type("G", (), {"pool": "main"})()] * 2)
-    {'node-a': 2}
-    >>> lent_shares({"node-a": 3}, [type("G", (), {"pool": p})() for p in ("main", "crit")])
-    {'node-a': 1}
-    """
-    pools = len({getattr(g, "pool", None) for g in trainers}) or 1
-    return {node: n // pools for node, n in cores.items() if n // pools > 0}
