@@ -419,3 +419,25 @@ def test_finish_prefetch_waits_for_the_next_steps_generation(tmp_path, sft_cache
     finally:
         release.set()
         tr.close()
+
+
+def test_an_early_start_whose_weight_sync_fails_fails_the_next_step_not_this_one():
+    """Fused on Ray syncs the replicas inside step t's training (``_start_early``): a failure there must reach
+    the next step, which takes its result, so step t still ends and writes its checkpoint."""
+    from types import SimpleNamespace
+
+    from fuseflow.schedule.modes import Fused
+    from fuseflow.schedule.updates import Gate
+
+    strategy = object.__new__(Fused)  # only what _start_early reads
+    strategy.stages, strategy.prefetch = SimpleNamespace(stream=SimpleNamespace(cursor=12)), None
+
+    def sync(version):
+        raise RuntimeError(f"rollout worker rank 1 failed in receive_weights (version {version})")
+
+    strategy._set_weights = sync
+    strategy._start_early(3, Gate())  # does not raise
+    step, result, cursor = strategy.prefetch
+    assert (step, cursor) == (3, 12)  # a resume draws step 3's prompts again
+    with pytest.raises(RuntimeError, match="receive_weights"):
+        result.result()

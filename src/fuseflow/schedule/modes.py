@@ -185,8 +185,15 @@ class Pooled(Strategy):
 
     def _start_early(self, step: int, gate: Gate) -> None:
         """The actor has trained: sync the replicas and start decoding ``step`` now, beside the critics'
-        updates (under SCHED_IDLE until ``gate`` opens), with its critic values held until then."""
-        self._set_weights(step - 1)
+        updates (under SCHED_IDLE until ``gate`` opens), with its critic values held until then. A failed
+        sync fails that step, not this one (whose checkpoint is still to be written)."""
+        try:
+            self._set_weights(step - 1)
+        except Exception as e:  # noqa: BLE001 - raised by the next step, which takes this result
+            failed: Future = Future()
+            failed.set_exception(e)
+            self.prefetch = (step, failed, self.stages.stream.cursor)
+            return
         after = ("reward",) if self.stages.cfg.algorithm.dynamic_sampling else self.names
         held = tuple(c.role for c in self.stages.roles.critics)
         self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=self.names, after=after,

@@ -110,10 +110,9 @@ class Updates:
                                             name=f"train-{name}"))
         for th in threads:
             th.start()
-        gate = Gate()
+        gate, early = Gate(), actor_trained is not None and names[-1] == ACTOR
         try:
             self._one(step, names[-1], updates[names[-1]], 0, results[names[-1]])
-            early = actor_trained is not None and names[-1] == ACTOR
             if early and results[ACTOR].exception() is None:
                 actor_trained(gate)
         finally:
@@ -150,4 +149,3 @@ class Updates:
                 out.set_result(future.result())
             except BaseException as e:  # noqa: BLE001 - handed to the controller thread, which re-raises it
                 out.set_exception(e)
-
