@@ -284,3 +284,29 @@ def test_a_replica_computes_log_probs_on_a_thread_of_its_own_under_sched_idle():
     (tid, policy), (tid2, _) = seen
     assert tid == tid2 != threading.get_native_id() and policy == os.SCHED_IDLE
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
+def test_join_waits_for_threads_spawned_while_it_joins_even_when_they_start_late(monkeypatch):
+    """A log-prob result frees a replica on Ray's callback thread, which spawns a steal thread while the
+    controller joins the pool: join must neither join it before it has started (``RuntimeError: cannot join
+    thread before it is started``) nor return before it ends."""
+    pool = RayRolloutPool(_Replicas(2), actor=None, tracer=Tracer(), first_track=1)
+    real_start, ended = threading.Thread.start, []
+
+    def slow_start(self):  # a thread that takes a while to start, as on a loaded machine
+        if self.name == "late":
+            time.sleep(0.2)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    pool._spawn(lambda: (time.sleep(0.1), ended.append("stream")), name="stream")
+
+    def callback():  # not one of the pool's threads
+        time.sleep(0.05)
+        pool._spawn(lambda: (time.sleep(0.05), ended.append("late")), name="late")
+
+    outside = threading.Thread(target=callback)
+    real_start(outside)
+    pool.join()
+    outside.join()
+    assert ended == ["stream", "late"]

@@ -137,9 +137,9 @@ class RayRolloutPool:
     def join(self) -> None:
         """Wait for the step's streams and dispatchers; collect the replicas' measured engine steps."""
         while True:
-            with self._lock:
-                threads = [t for t in self._threads if t.is_alive()]
-                self._threads = threads
+            with self._lock:  # every listed thread has started (``_spawn``); the list joined below is a copy,
+                threads = [t for t in self._threads if t.is_alive()]  # since threads spawn more meanwhile
+                self._threads = list(threads)
             if not threads:
                 break
             for t in threads:
@@ -229,10 +229,14 @@ class RayRolloutPool:
                 self._dispatchers -= 1
 
     def _spawn(self, fn, *args, name: str) -> None:
+        """Start ``fn(*args)`` on a thread that ``join`` waits for. Started under the lock: ``join`` drops
+        threads that are not alive, and joining one not yet started raises (``RuntimeError: cannot join
+        thread before it is started``, twice in benchmark runs, when ``join`` iterated the very list that
+        a thread then appended to)."""
         t = threading.Thread(target=fn, args=args, daemon=True, name=name)
         with self._lock:
             self._threads.append(t)
-        t.start()
+            t.start()
 
     def logprobs_future(self, batch, reference: bool = False,
                         lane: Callable[[object], Future] | None = None) -> Future | None:
