@@ -364,9 +364,9 @@ def test_a_dead_rollout_worker_fails_the_step_at_once(tmp_path, sft_cache, monke
     """
     import time
 
-    from fuseflow.schedule import modes
+    from fuseflow.schedule import streaming
 
-    monkeypatch.setattr(modes, "WAIT_S", 60.0)  # the old behaviour then fails the timing check below
+    monkeypatch.setattr(streaming, "WAIT_S", 60.0)  # the old behaviour then fails the timing check below
     cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "trainer.steps=1", "trainer.eval_every=100",
                                "trainer.save_every=100", f"cache_dir={sft_cache}", "schedule.mode=fused",
                                "schedule.rollout_workers=2"])

@@ -27,6 +27,8 @@ never the trainer, so the algorithm program (``RLTrainer.step``) is the same in 
   time each replica is held.
 - ``fused+async``, ``fused+elastic``: both.
 
+The receive loop of a generation (streamed micro-batches, the early start's held critic values,
+the migration trigger) is ``schedule.streaming``; the updates' order is ``schedule.updates``.
 Every mode runs on either pool: threads of this process (``pool``, backend=local) or replica
 processes on Ray (``ray_pool``, backend=ray with ``placement.rollout``); the strategy code is the same.
 The reserved modes hold all ``rollout_workers`` for the whole step (as a reserved device set is
@@ -50,8 +52,7 @@ from typing import Any
 from fuseflow.controller.group import Future as GroupFuture
 from fuseflow.controller.group import background
 from fuseflow.data.batch import Batch
-from fuseflow.policy.microbatch import TokenBudgetBatcher, group_by_length
-from fuseflow.policy.migration import plan_migration, resolve_threshold, should_migrate, trigger_count
+from fuseflow.policy.migration import resolve_threshold
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import EngineConfig
 from fuseflow.telemetry.gantt import parse_trace, trace_step_metrics
@@ -63,9 +64,9 @@ from .pool import RolloutPool, TaskQueue
 from .ray_pool import RayRolloutPool
 from .stages import FROZEN, Generated, Stages, field_of
 from .staleness import check_staleness, min_version_for, staleness_metrics
+from .streaming import WAIT_S, Feed, by_length, receive
 from .updates import Gate, Updates
 
-WAIT_S = 600.0  # longest wait for one sample before the step is declared stuck
 __all__ = ["MODES", "SPAN_OF", "Sequential", "Strategy", "Pooled", "available_cores", "make_strategy",
            "update_threads"]
 
@@ -119,9 +120,10 @@ class Pooled(Strategy):
     def make_experience(self, step: int) -> tuple[Batch, dict[str, float]]:
         self._begin()
         s = self.s
-        if self.prefetch is not None and not self.early:  # training is over: a prefetch still decoding gets
-            self.pool.restore_priority()  # full priority (on Ray a round trip to every replica: only when one
-        #                                   may be; an early start has it once the updates ended)
+        # Training is over: a prefetch still decoding gets full priority (on Ray a round trip to every
+        # replica, so only when a prefetch may be decoding). An early start has it once the updates ended.
+        if self.prefetch is not None and not self.early:
+            self.pool.restore_priority()
         gen, metrics = self.stages.collect(step, self._draw)
         self._set_weights(step - 1)
         # Async: old log-probs and values need the just-trained models, so they run after the
@@ -223,23 +225,17 @@ class Pooled(Strategy):
         With a ``gate`` (an early start), stages in ``held`` wait until it opens, and the workers then
         leave the background (they started in it)."""
         requests, prompts = drawn
-        n, tasks, arrived = len(requests), TaskQueue(), queue.Queue()
+        tasks, arrived = TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
         shards = self.chooser.shards(requests, self.pool) if self.chooser else self._shards(requests)
         left = [len(shard) for shard in shards]  # unfinished samples per worker (until a migration moves some)
-        t_start, last_finish = time.perf_counter(), {}
+        t_start = time.perf_counter()
         # A background (prefetch) generation runs beside training, the critical path: its workers
         # run under SCHED_IDLE so that training keeps its core (measured in docs/benchmarks.md).
         self.pool.run(step, shards, lambda w, smp: arrived.put((w, smp)), tasks, background=not foreground,
                       release_when_idle=self.elastic)
         # With one rollout worker thread the controller thread is the second core's inference worker.
         helps = foreground and len(self.pool) == 1 and self.pool.threaded
-        batcher: TokenBudgetBatcher[Sample] = TokenBudgetBatcher(self.s.token_budget)
-        results: list[Future] = []
-        done: list[Sample] = []
-        migrated = 0
-        threshold = self._threshold()
-
         old_logprob, ref_logprob = self._replica_logprobs(step), self._replica_ref_logprobs()
         # Inference that runs while this generation decodes (streamed) or while training goes on (a
         # prefetch) is background work in the roles' processes: it takes only the cores that the
@@ -250,87 +246,15 @@ class Pooled(Strategy):
             with lane():
                 return self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)
 
-        deferred: list[list[Sample]] = []  # micro-batches whose ``held`` stages wait for the gate
-
-        def submit(group: list[Sample], names: tuple[str, ...]) -> None:
-            if gate is not None and not gate.is_open() and any(x in held for x in names):
-                deferred.append(group)
-                names = tuple(x for x in names if x not in held)
-                if not names:
-                    return
-            results.append(tasks.submit(lambda: infer(group, names)))
-            if self.elastic:
-                self.pool.serve(tasks.pending() - self._idle_live())  # take a released worker back for it
-
-        def hand_partial() -> None:
-            """A worker would sit idle: hand it the samples gathered so far."""
-            if stream and tasks.empty() and len(batcher) and self._idle_live():
-                submit(batcher.take(), stream)
-
-        def release() -> None:
-            """Once the gate is open: full priority, and the held stages of the micro-batches that wait."""
-            nonlocal gate
-            if gate is None or not gate.is_open():
-                return
-            if not gate.ok:
-                raise RuntimeError(f"step {step}: an update of step {step - 1} failed; its early generation stops")
-            gate = None
-            self.pool.foreground()
-            for group in deferred:
-                submit(group, held)
-            deferred.clear()
-
-        if gate is not None:
-            gate.on_open(lambda: arrived.put(None))  # wakes the loop below
-        deadline = time.perf_counter() + WAIT_S
-        while len(done) < n:
-            try:
-                item = arrived.get_nowait() if helps else arrived.get(timeout=0.05)
-                if item is None:
-                    release()
-                    continue
-                w, smp = item
-            except queue.Empty:
-                self.pool.check_alive(step)
-                hand_partial()  # a worker may have come free with no new sample to prompt it
-                if helps and self._help(step, tasks):
-                    continue
-                if helps:
-                    time.sleep(0.001)
-                if time.perf_counter() > deadline or self.pool.busy_workers() == 0:
-                    raise RuntimeError(f"step {step}: rollout workers stopped with {n - len(done)} of {n} samples "
-                                       "unfinished") from None
-                continue
-            deadline = time.perf_counter() + WAIT_S
-            done.append(smp)
-            left[w] -= 1
-            last_finish[w] = time.perf_counter()
-            if stream:
-                closed = batcher.add(smp)
-                if closed:
-                    submit(closed, stream)
-                else:
-                    hand_partial()
-            # Migration frees a worker only while two or more hold unfinished samples: otherwise asking them
-            # (a round trip to every replica process, each answered between its engine steps) is skipped.
-            if (threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold)
-                    and sum(k > 0 for k in left) > 1):
-                pending, budgets = self.pool.pending(), self.pool.budgets()
-                if should_migrate(pending, budgets, n, threshold):
-                    migrated = self.pool.migrate(plan_migration(pending, budgets), step)
+        feed = Feed(step, tasks, infer, stream, self.s.token_budget, self._idle_live,
+                    serve=self.pool.serve if self.elastic else None, gate=gate, held=held,
+                    foreground=self.pool.foreground if gate is not None else lambda: None)
+        done, migrated, last_finish = receive(self.pool, step, len(requests), arrived, feed, left, self._threshold(),
+                                              partial(self._help, step, tasks) if helps else None)
         self._gen_seconds = time.perf_counter() - t_start
         if self.chooser and last_finish:
             self.chooser.info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
-        if stream and len(batcher):
-            submit(batcher.take(), stream)
-        if gate is not None:
-            gate.wait()
-            release()
-        rest = tuple(x for x in after if x not in stream)
-        if rest:
-            for group in _by_length(done, self.s.token_budget):
-                submit(group, rest)
-        tasks.close()
+        feed.finish(done, after)
         while helps and self._help(step, tasks):
             pass
         # Every sample is in: pack them while the workers finish the step's inference.
@@ -340,7 +264,7 @@ class Pooled(Strategy):
         self.pool.check_alive(step)
         if self.chooser:
             self.chooser.observe(requests, done)
-        gen.merge(results)
+        gen.merge(feed.results)
         return gen
 
     def _complete(self, step: int, gen: Generated) -> None:
@@ -352,7 +276,7 @@ class Pooled(Strategy):
         prompt_of = {x.uid: p for x, p in zip(gen.samples, gen.prompts, strict=True)}
         tasks, old_logprob, ref_logprob = TaskQueue(), self._replica_logprobs(step), self._replica_ref_logprobs()
         results = [tasks.submit(lambda g=g: self.stages.infer(g, missing, prompt_of, old_logprob, ref_logprob))
-                   for g in _by_length(gen.samples, self.s.token_budget)]
+                   for g in by_length(gen.samples, self.s.token_budget)]
         tasks.close()
         self.pool.run(step, [[] for _ in range(len(self.pool))], lambda _w, _s: None, tasks,
                       release_when_idle=self.elastic)
@@ -504,8 +428,3 @@ def make_strategy(stages: Stages, resumed_from: Path | None = None, start_step: 
         return Sequential(stages)
     return MODES[s.mode](stages, resumed_from, start_step)
 
-
-def _by_length(samples: list[Sample], budget: int) -> list[list[Sample]]:
-    """Whole-batch inference micro-batches: samples sorted by length, cut by the token budget."""
-    groups = group_by_length([len(x.prompt_ids) for x in samples], [len(x.response_ids) for x in samples], budget)
-    return [[samples[i] for i in g] for g in groups]

@@ -93,8 +93,8 @@ class Updates:
         if not side_by_side:
             out = (overlap(self.tracer, step, updates) if self.beside_generation  # one core trains, the others
                    else self._in_order(step, updates))                          # generate the next step
-            if actor_trained is not None:
-                gate = Gate()
+            if actor_trained is not None:  # every update has ended: an open gate, so the next step's
+                gate = Gate()               # generation leaves the background as soon as it starts
                 gate.open(True)
                 actor_trained(gate)
             return out
