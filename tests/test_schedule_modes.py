@@ -211,6 +211,16 @@ def test_schedule_config_errors_name_the_field():
             load_config("sort", bad)
 
 
+def test_bench_fusion_figures_match_their_docstring_examples():
+    """speedup_bound, room_captured, repeat_spread and speedup_bound_placement on hand-computed inputs."""
+    import doctest
+
+    from fuseflow.bench import fusion
+
+    result = doctest.testmod(fusion)
+    assert result.attempted >= 4 and result.failed == 0
+
+
 def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     from fuseflow.bench.fusion import run_fusion
 
@@ -228,6 +238,10 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     for r in out["modes"].values():  # the reported run is the lower median of the repeats
         assert len(r["samples_per_second_runs"]) == 2
         assert round(r["samples_per_second"], 2) == min(r["samples_per_second_runs"])
+        lo, hi = sorted(r["samples_per_second_runs"])
+        assert r["repeat_spread"] == pytest.approx(hi / lo - 1, abs=1e-3)  # from the unrounded figures
+    assert out["repeat_spread_max"] == max(r["repeat_spread"] for r in out["modes"].values())
+    assert out["modes"][out["repeat_spread_mode"]]["repeat_spread"] == out["repeat_spread_max"]
     for r in out["modes"].values():
         assert r["samples_per_second"] > 0 and 0 < r["busy_fraction"] <= 1 and len(r["reward_per_step"]) == 2
         # Process CPU time over wall time x cores: positive, and no more than the cores allow.

@@ -19,7 +19,9 @@ cores), the mean as in samples/s. ``worker_seconds`` is the mean per timed step 
 ``time/rollout_worker_seconds``: the reserved modes hold every rollout worker for the whole step,
 ``elastic`` only while a worker has generation or inference to run (RLHFless's billing).
 With ``repeats > 1`` every mode runs
-that many times in alternating order and reports its (lower) median run.
+that many times in alternating order and reports its (lower) median run; ``repeat_spread`` is its
+fastest repeat over its slowest, minus 1, and ``repeat_spread_max`` the largest over the modes (the
+run's noise floor on a shared machine).
 
 ``backend="ray"`` runs every mode (``sequential`` included) with ``workers`` rollout replica processes
 on a pool of their own (``placement.rollout``), the roles in one more process; CPU seconds then sum
@@ -164,6 +166,19 @@ def room_captured(speedup: float, bound: float) -> float | None:
     return round((speedup - 1.0) / (bound - 1.0), 6)
 
 
+def repeat_spread(runs: list[float]) -> float | None:
+    """How far one mode's repeats lie apart: fastest over slowest samples/s, minus 1 (None with one run).
+    On a shared machine this is the noise floor of the run: differences between modes smaller than the
+    largest spread say nothing.
+
+    >>> repeat_spread([167.6, 149.3])
+    0.122572
+    """
+    if len(runs) < 2 or min(runs) <= 0:
+        return None
+    return round(max(runs) / min(runs) - 1.0, 6)
+
+
 def speedup_bound_placement(modes: dict[str, dict]) -> float | None:
     """Upper bound on any schedule's speedup over ``sequential`` when the roles' calls run one at a time
     (one roles process): sequential's mean step over the least roles-busy seconds per step of any mode.
@@ -240,6 +255,8 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         ordered = sorted(rs, key=lambda r: r["samples_per_second"])
         results[m] = ordered[(len(ordered) - 1) // 2] | {
             "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs]}
+        if (spread := repeat_spread([r["samples_per_second"] for r in rs])) is not None:
+            results[m]["repeat_spread"] = spread
     base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
     seq_held = results.get("sequential", next(iter(results.values())))["worker_seconds"]
     for r in results.values():
@@ -258,6 +275,10 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     syncs = [x for rs in runs.values() for r in rs for x in r["weight_sync_seconds_per_mb_per_step"]]
     if syncs:
         out["weight_sync_seconds_per_mb"] = statistics.mean(syncs)
+    spreads = {m: r["repeat_spread"] for m, r in results.items() if "repeat_spread" in r}
+    if spreads:
+        out["repeat_spread_max"] = max(spreads.values())
+        out["repeat_spread_mode"] = max(spreads, key=spreads.get)
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
@@ -321,6 +342,10 @@ def register(bench_app) -> None:
         if "speedup_bound_placement" in result:
             console.print(f"with the roles' calls one at a time (one roles process): at most "
                           f"x{result['speedup_bound_placement']:.2f}", soft_wrap=True)
+        if "repeat_spread_max" in result:
+            console.print(f"repeats of one mode differed by up to {result['repeat_spread_max']:.0%} "
+                          f"({result['repeat_spread_mode']}): differences between modes smaller than that are "
+                          "within this machine's noise", soft_wrap=True)
         if "weight_sync_seconds_per_mb" in result:
             console.print(f"weight sync {result['weight_sync_seconds_per_mb']:.4f} s/MB per replica", soft_wrap=True)
         if "speedup_vs_trl" in result:
