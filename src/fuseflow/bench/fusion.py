@@ -277,8 +277,8 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         out["weight_sync_seconds_per_mb"] = statistics.mean(syncs)
     spreads = {m: r["repeat_spread"] for m, r in results.items() if "repeat_spread" in r}
     if spreads:
-        out["repeat_spread_max"] = max(spreads.values())
-        out["repeat_spread_mode"] = max(spreads, key=spreads.get)
+        widest = max(spreads, key=spreads.get)
+        out["repeat_spread_max"], out["repeat_spread_mode"] = spreads[widest], widest
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
