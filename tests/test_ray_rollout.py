@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from fuseflow.bench.trl import QUICK_OVERRIDES
 from fuseflow.config import ConfigError, load_config
 from fuseflow.controller.group import WorkerFailure
+from fuseflow.schedule.stages import FROZEN, field_of
 from fuseflow.trainer import RLTrainer
 from ray_fixtures import ray_cluster  # noqa: F401 - module-scoped fixture
 from spy import record_batches
@@ -134,15 +135,50 @@ def test_async_replicas_at_staleness_zero_train_like_sequential(tmp_path, sft_ca
     _same_training(sequential, asy)
 
 
+def _spy_held_stages(tr, held_at: list[float], missing: list[list[str]]) -> None:
+    """Record when the trained models' stages (old log-probs, critic values) are started, in the tracer's
+    microseconds, and which stages each step's generation left for ``_complete``."""
+    st = tr.strategy
+    infer, complete = st.stages.infer, st._complete
+
+    def infer_spy(samples, names, *args, **kwargs):
+        if any(x not in FROZEN for x in names):
+            held_at.append((time.perf_counter() - tr.tracer._t0) * 1e6)
+        return infer(samples, names, *args, **kwargs)
+
+    def complete_spy(step, gen):
+        missing.append([x for x in st.names if any(s.uid not in gen.rows.get(field_of(x), {}) for s in gen.samples)])
+        return complete(step, gen)
+
+    st.stages.infer, st._complete = infer_spy, complete_spy
+
+
+def _update_windows(tr) -> list[tuple[float, float]]:
+    """Per step, from the first update's start to the last one's end (the tracer's microseconds)."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in tr.tracer.events:
+        if e.get("ph") == "X" and e["name"].endswith("_update"):
+            spans.setdefault(e["args"]["step"], []).append((e["ts"], e["ts"] + e["dur"]))
+    return [(min(a for a, _ in v), max(b for _, b in v)) for v in spans.values()]
+
+
 def test_async_replicas_respect_the_staleness_bound(tmp_path, sft_cache):
+    """fused+async: every sample within the bound. The prefetch runs every stage itself: the critics' values
+    and the old log-probs (on replicas synced by then) only once the step's updates have ended, and nothing
+    is left for after its generation."""
+    held_at, missing, trained = [], [], []
+    spy = partial(_spy_held_stages, held_at=held_at, missing=missing)
     batches, metrics = _run(tmp_path, sft_cache, ["schedule.mode=fused+async", "schedule.max_staleness=1",
-                                                  *REPLICAS], steps=3)
+                                                  *REPLICAS], steps=3, before=spy,
+                            after=lambda tr: trained.extend(_update_windows(tr)))
     for step, batch in enumerate(batches, start=1):
         ages = [(step - 1) - v for v in batch.meta["policy_version"]]
         assert all(0 <= a <= 1 for a in ages), (step, ages)
         if step > 1:  # generated on the replicas during the previous step's training
             assert set(ages) == {1}
         assert metrics[step - 1]["async/staleness_max"] == max(ages)
+    assert missing == [[], [], []], missing  # steps 2 and 3: streamed during the prefetch, none after it
+    assert held_at and not [t for t in held_at for a, b in trained if a < t < b], (held_at, trained)
 
 
 def run_with_replica_killed(tmp_path, sft_cache, monkeypatch, extra: list[str], kill) -> None:

@@ -25,7 +25,10 @@ never the trainer, so the algorithm program (``RLTrainer.step``) is the same in 
   replicas by predicted length with each group on one replica (its prompt prefix is prefilled
   once there), and a replica is released the moment it has no work; worker-seconds bill the
   time each replica is held.
-- ``fused+async``, ``fused+elastic``: both.
+- ``fused+async``, ``fused+elastic``: both. On replica processes a fused+async prefetch streams the
+  reference and reward while the step trains and the critics' values once its updates have ended; once
+  its decode is done too, it syncs the replicas to the trained actor, and they compute the old
+  log-probs at once instead of after the prefetch's streamed inference.
 
 The receive loop of a generation (streamed micro-batches, the early start's held critic values,
 the migration trigger) is ``schedule.streaming``; the updates' order is ``schedule.updates``.
@@ -110,6 +113,12 @@ class Pooled(Strategy):
         # Not on threads (they would share this process's GIL with the critics' updates) nor with elastic's
         # per-step replica count, whose billing spans one step.
         self.early = self.fused and not (self.asynchronous or self.elastic or self.pool.threaded)
+        # Fused+async on replica processes: a prefetch streams the critics' values once this step's updates
+        # have ended (``_trained``), and syncs the replicas as soon as its decode is done too, so that they
+        # compute the old log-probs then instead of after its streamed inference (``_generate``).
+        self.stream_prefetch = self.fused and self.asynchronous and not self.pool.threaded
+        self._trained: Gate | None = None
+        self._prefetch_sync: dict[str, float] = {}  # that sync's figures, reported with the step it served
         self._gen_seconds = 0.0
         self._sync: dict[str, float] = {}  # the step's weight transfer to the rollout (seconds, MB per replica)
         self._scored = self._scored_ref = self._stolen = 0
@@ -122,9 +131,11 @@ class Pooled(Strategy):
         s = self.s
         # Training is over: a prefetch still decoding gets full priority (on Ray a round trip to every
         # replica, so only when a prefetch may be decoding). An early start has it once the updates ended.
-        if self.prefetch is not None and not self.early:
+        if self.prefetch is not None and not (self.early or self.stream_prefetch):
             self.pool.restore_priority()
         gen, metrics = self.stages.collect(step, self._draw)
+        if self._prefetch_sync:
+            self._sync, self._prefetch_sync = self._prefetch_sync, {}
         self._set_weights(step - 1)
         # Async: old log-probs and values need the just-trained models, so they run after the
         # previous step's training; running them here, on every worker and before the next step's
@@ -158,15 +169,20 @@ class Pooled(Strategy):
     def _set_weights(self, version: int) -> None:
         """Give the (idle) rollout the actor's weights at ``version``: in-process they are shared (async
         copies them); replica processes receive a broadcast from the actor's rank 0."""
+        if (sync := self._sync_weights(version)) is not None:
+            self._sync = sync
+
+    def _sync_weights(self, version: int) -> dict[str, float] | None:
+        """``_set_weights``'s transfer; its figures, or None when the rollout holds ``version`` already."""
         if version == self.pool.policy_version and self.version == version:
-            return
+            return None
         t0 = time.perf_counter()
         sent = self.pool.set_weights(version, self.stages.roles.actor.rollout_weights if self.asynchronous else None)
         # The pool's own figures win: an in-process vLLM's push (its MB, seconds per MB, buckets) is the
         # transfer even where the weights themselves are shared (0 bytes copied).
-        self._sync = ({"time/rollout_weight_sync": time.perf_counter() - t0, "rollout/weight_sync_mb": sent / 2**20}
-                      | self.pool.sync_metrics)
         self.version = version
+        return ({"time/rollout_weight_sync": time.perf_counter() - t0, "rollout/weight_sync_mb": sent / 2**20}
+                | self.pool.sync_metrics)
 
     def finish_prefetch(self) -> None:
         """Wait until the next step's background generation (async modes) has finished, if one runs.
@@ -182,6 +198,12 @@ class Pooled(Strategy):
         """Start generating ``step`` now if the staleness bound allows it with the rollout's weights."""
         if self.version < min_version_for(step, self.s.max_staleness):
             return  # max_staleness=0: the next step waits for this step's weights (sequential order)
+        if self.stream_prefetch:
+            gate, held = Gate(), tuple(c.role for c in self.stages.roles.critics)
+            self._trained = gate
+            self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=(*FROZEN, *held), after=self.names,
+                                                              foreground=False, gate=gate, held=held, sync=True))
+            return
         stream = FROZEN if self.fused else ()
         self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=stream, after=FROZEN, foreground=False))
 
@@ -219,11 +241,13 @@ class Pooled(Strategy):
     # ------------------------------------------------------------------ generation + streamed inference
     def _generate(self, step: int, drawn: tuple[list[RolloutRequest], list], stream: tuple[str, ...],
                   after: tuple[str, ...], foreground: bool, gate: Gate | None = None,
-                  held: tuple[str, ...] = ()) -> Generated:
+                  held: tuple[str, ...] = (), sync: bool = False) -> Generated:
         """Decode ``drawn`` on the rollout workers; stages in ``stream`` run per micro-batch as samples
         finish, stages in ``after`` (and not streamed) run once all are done, both on free workers.
-        With a ``gate`` (an early start), stages in ``held`` wait until it opens, and the workers then
-        leave the background (they started in it)."""
+        With a ``gate`` (an early start, or a fused+async prefetch), stages in ``held`` wait until it
+        opens, and the workers then leave the background (they started in it). ``sync`` (a prefetch):
+        once every sample is in and the gate is open, the workers take the actor's trained weights, so
+        that they can compute the old log-probs of ``after``."""
         requests, prompts = drawn
         tasks, arrived = TaskQueue(), queue.Queue()
         prompt_of = {r.uid: p for r, p in zip(requests, prompts, strict=True)}
@@ -236,15 +260,15 @@ class Pooled(Strategy):
                       release_when_idle=self.elastic)
         # With one rollout worker thread the controller thread is the second core's inference worker.
         helps = foreground and len(self.pool) == 1 and self.pool.threaded
-        old_logprob, ref_logprob = self._replica_logprobs(step), self._replica_ref_logprobs()
+        ref_logprob = self._replica_ref_logprobs()
         # Inference that runs while this generation decodes (streamed) or while training goes on (a
         # prefetch) is background work in the roles' processes: it takes only the cores that the
         # critical path leaves idle (``controller.group.background``).
         lane = background if stream or not foreground else nullcontext
 
         def infer(group: list[Sample], names: tuple[str, ...]) -> dict:
-            with lane():
-                return self.stages.infer(group, names, prompt_of, old_logprob, ref_logprob)
+            with lane():  # the replicas' version decides at each call (``sync`` changes it mid-generation)
+                return self.stages.infer(group, names, prompt_of, self._replica_logprobs(step), ref_logprob)
 
         feed = Feed(step, tasks, infer, stream, self.s.token_budget, self._idle_live,
                     serve=self.pool.serve if self.elastic else None, gate=gate, held=held,
@@ -252,6 +276,10 @@ class Pooled(Strategy):
         done, migrated, last_finish = receive(self.pool, step, len(requests), arrived, feed, left, self._threshold(),
                                               partial(self._help, step, tasks) if helps else None)
         self._gen_seconds = time.perf_counter() - t_start
+        if sync and gate is not None:
+            gate.wait()
+            if gate.ok:  # else ``feed.finish`` raises the failed update's error
+                self._prefetch_sync = self._sync_weights(step - 1) or {}
         if self.chooser and last_finish:
             self.chooser.info["elastic/tail_seconds"] = max(last_finish.values()) - min(last_finish.values())
         feed.finish(done, after)
@@ -331,7 +359,14 @@ class Pooled(Strategy):
         """Run the step's updates (name -> starter of a group call); their results by name. Side by side
         in fused and async modes, else one after the other on every idle core (``schedule.updates``)."""
         early = self.early and step < self.stages.cfg.trainer.steps
-        return self.updates.run(step, updates, partial(self._start_early, step + 1) if early else None)
+        trained, self._trained, ok = self._trained, None, False
+        try:
+            out = self.updates.run(step, updates, partial(self._start_early, step + 1) if early else None)
+            ok = True
+            return out
+        finally:
+            if trained is not None:  # a streaming prefetch's held stages may go (or, after a failure, stop)
+                trained.open(ok)
 
     # ------------------------------------------------------------------ bookkeeping
     def step_metrics(self, step: int) -> dict[str, float]:
@@ -360,7 +395,9 @@ class Pooled(Strategy):
         """Checkpoint writer: a pending async prefetch's samples (waited for), so a resume continues exactly.
         An early start's are not saved, nor waited for (its failure must not cost the checkpoint of the step
         that trained): a resume draws its prompts again and decodes them, token for token, from the saved
-        weights."""
+        weights. Only samples are saved: a resume computes their inference again in length-sorted
+        micro-batches, so after fused+async's streamed ones its values agree to float summation order,
+        as in any fused run."""
         if self.prefetch is not None and not self.early:
             save_pending(Path(ckpt_dir), self.prefetch[0], self.prefetch[1].result().samples)
 
@@ -389,6 +426,9 @@ class Pooled(Strategy):
         return self.prefetch[2] if self.prefetch is not None else self.stages.stream.cursor
 
     def close(self) -> None:
+        if self._trained is not None:  # no update will open it: the prefetch must not wait for one
+            self._trained.open(False)
+            self._trained = None
         if self.prefetch is not None:
             try:
                 self.prefetch[1].result(timeout=WAIT_S)
