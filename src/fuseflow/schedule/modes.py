@@ -102,6 +102,7 @@ class Pooled(Strategy):
         self.infer_track = s.rollout_workers + 1
         self.tracer.name_track(self.infer_track, "inference")
         self.names = stages.roles.inference_stages
+        self.critic_stages = tuple(c.role for c in stages.roles.critics)  # stages that wait for the critics' updates
         self.version = start_step  # policy version the rollout holds
         self.prefetch: tuple[int, Future, int] | None = None  # (step, result, stream cursor before its draw)
         self.history: list[list[int]] = []  # response lengths of earlier steps (auto threshold)
@@ -199,8 +200,8 @@ class Pooled(Strategy):
         if self.version < min_version_for(step, self.s.max_staleness):
             return  # max_staleness=0: the next step waits for this step's weights (sequential order)
         if self.stream_prefetch:
-            gate, held = Gate(), tuple(c.role for c in self.stages.roles.critics)
-            self._trained = gate
+            gate = self._trained = Gate()
+            held = self.critic_stages
             self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=(*FROZEN, *held), after=self.names,
                                                               foreground=False, gate=gate, held=held, sync=True))
             return
@@ -219,7 +220,7 @@ class Pooled(Strategy):
             self.prefetch = (step, failed, self.stages.stream.cursor)
             return
         after = ("reward",) if self.stages.cfg.algorithm.dynamic_sampling else self.names
-        held = tuple(c.role for c in self.stages.roles.critics)
+        held = self.critic_stages
         self._prefetch(step, lambda drawn: self._generate(step, drawn, stream=self.names, after=after,
                                                           foreground=False, gate=gate, held=held))
 
