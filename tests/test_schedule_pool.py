@@ -310,3 +310,29 @@ def test_join_waits_for_threads_spawned_while_it_joins_even_when_they_start_late
     pool.join()
     outside.join()
     assert ended == ["stream", "late"]
+
+
+def test_every_replica_and_the_roles_lane_can_each_have_an_inference_task_in_flight():
+    """A dispatcher waits on its task's calls: with two replicas, three tasks run at once (one per replica and
+    one for the roles' lane), so a replica that comes free gets the queued log-probs while another task still
+    waits on the roles' lane. A fourth waits for a dispatcher."""
+    pool = RayRolloutPool(_Replicas(2), actor=None, tracer=Tracer(), first_track=1)
+    tasks, running, go, lock = TaskQueue(), [], threading.Event(), threading.Lock()
+
+    def task(k):
+        with lock:
+            running.append(k)
+        assert go.wait(10)
+        return k
+
+    futures = [tasks.submit(lambda k=k: task(k)) for k in range(4)]
+    tasks.close()
+    pool.run(3, [[], []], lambda w, s: None, tasks)
+    deadline = time.monotonic() + 10
+    while len(running) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a fourth dispatcher, if there were one, would have taken the last task by now
+    assert sorted(running) == [0, 1, 2]
+    go.set()
+    pool.join()
+    assert [f.result() for f in futures] == [0, 1, 2, 3]

@@ -38,8 +38,23 @@ from fuseflow.rollout.base import RolloutRequest, Sample
 
 from .pool import TaskQueue, run_task
 
-DISPATCHERS = 2  # controller threads that carry inference tasks to the inference groups
 TAKE_S = 0.05  # longest an idle dispatcher blocks on the task queue (a task or its closing wakes it at once)
+
+
+def dispatchers(replicas: int) -> int:
+    """Controller threads that carry a pool's inference tasks to the inference groups: one per replica plus
+    one for the roles' lane, so that each can have a task in flight.
+
+    A dispatcher waits on its task's calls. With two for two replicas (before 2026-11-28) both could wait
+    on the roles' lane (a fused+async prefetch's streamed values) while the synced replicas had old
+    log-probs queued for them: these started 32-148 ms after the decode ended (three traced steps), 12-18
+    ms with three dispatchers, and five alternating pairs of 12-step fused+async runs were 1-5% faster
+    with three (docs/ray_rollout.md, session 24).
+
+    >>> dispatchers(2)
+    3
+    """
+    return replicas + 1
 
 
 class RayRolloutPool:
@@ -103,7 +118,7 @@ class RayRolloutPool:
         for i, shard in enumerate(shards):
             if shard:
                 self._stream(i, shard)
-        for _ in range(DISPATCHERS):
+        for _ in range(dispatchers(len(self))):
             self._spawn(self._dispatch, tasks, name="inference-dispatch")
 
     def serve(self, k: int) -> None:
