@@ -47,7 +47,7 @@ def dispatchers(replicas: int) -> int:
 
     A dispatcher waits on its task's calls. With two for two replicas (before 2026-11-28) both could wait
     on the roles' lane (a fused+async prefetch's streamed values) while the synced replicas had old
-    log-probs queued for them: these started 32-148 ms after the decode ended (three traced steps), 12-18
+    log-probs queued for them: these started 32-148 ms after the decode ended (three traced steps), 12-19
     ms with three dispatchers, and five alternating pairs of 12-step fused+async runs were 1-5% faster
     with three (docs/ray_rollout.md, session 24).
 
