@@ -73,6 +73,31 @@ def test_tracer_tracks_instants_and_resume(tmp_path):
     assert len(resumed.events) == 3 and resumed.tracks[3] == "rollout-1"
 
 
+def test_tracer_files_events_per_step_and_keeps_instants_of_recent_steps_only(tmp_path):
+    t = Tracer(keep_instants=2)
+    for step in range(1, 6):
+        with t.span("generate", step, track=1):
+            pass
+        for uid in range(3):
+            t.instant(SAMPLE_DONE, step, track=1, uid=uid)
+    # a step's lookup sees that step alone
+    assert [e["args"]["uid"] for e in t.events_for(5) if e["ph"] == "i"] == [0, 1, 2]
+    assert set(t.seconds_for(4)) == {"generate"} and t.events_for(9) == []
+    # steps 1-3 lie more than 2 steps behind step 5: their spans stay, their instants are gone
+    by_step = {s: [e["ph"] for e in t.events if e["args"]["step"] == s] for s in range(1, 6)}
+    assert by_step == {1: ["X"], 2: ["X"], 3: ["X"], 4: ["X", "i", "i", "i"], 5: ["X", "i", "i", "i"]}
+    t.drop_after(4)
+    assert t.events_for(5) == [] and len(t.events) == 3 + 4
+    path = tmp_path / "trace.json"
+    t.path = path
+    t.save()
+    resumed = Tracer(path, keep_instants=2)
+    assert [e["ph"] for e in resumed.events] == ["X", "X", "X", "X", "i", "i", "i"]
+    with resumed.span("generate", 6, track=1):  # a new step prunes again: step 4 keeps its span only
+        pass
+    assert [e["ph"] for e in resumed.events_for(4)] == ["X"]
+
+
 def test_plot_trace_cli(tmp_path):
     (tmp_path / "trace.json").write_text(json.dumps(hand_trace()))
     res = CliRunner().invoke(app, ["plot", "trace", str(tmp_path)])

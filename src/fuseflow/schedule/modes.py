@@ -387,7 +387,7 @@ class Pooled(Strategy):
             out["time/rollout_worker_seconds"] = sum(held)
             out |= self.chooser.info
             self.chooser.rest = max(0.0, (time.perf_counter() - mark) - self._gen_seconds)
-        events = [e for e in list(self.tracer.events) if e.get("args", {}).get("step") == step]
+        events = self.tracer.events_for(step)
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": v}}
                 for k, v in self.tracer.tracks.items()]
         return out | trace_step_metrics(parse_trace(meta + events), step)
