@@ -24,7 +24,7 @@ from spy import record_batches
 PER_TOKEN = ("old_logprobs", "ref_logprobs", "values")
 
 
-def _run(tmp_path, sft_cache, extra, steps=2):
+def _run(tmp_path, sft_cache, extra, steps=2, after_step=None):
     cfg = load_config("sort", [*QUICK_OVERRIDES, "algorithm.name=ppo", "algorithm.kl_in_reward=true",
                                f"trainer.steps={steps}", "trainer.eval_every=100", "trainer.save_every=100",
                                "trainer.eval_size=8", "task.eval_size=8", f"cache_dir={sft_cache}", *extra])
@@ -33,6 +33,8 @@ def _run(tmp_path, sft_cache, extra, steps=2):
     try:
         for step in range(1, steps + 1):
             metrics.append(tr.step(step))
+            if after_step is not None:
+                after_step(tr)
     finally:
         tr.close()
     return batches, metrics
@@ -54,9 +56,12 @@ def _same_training(a, b):
 
 def test_fused_with_migration_trains_like_sequential(tmp_path, sft_cache):
     seq = _run(tmp_path, sft_cache, [])
+    held = []  # a reserved mode bills whole steps: the pool's held spans are dropped every step
     fused = _run(tmp_path, sft_cache, ["schedule.mode=fused", "schedule.rollout_workers=2",
-                                       "schedule.migration_threshold=0.9", "schedule.token_budget=256"])
+                                       "schedule.migration_threshold=0.9", "schedule.token_budget=256"],
+                 after_step=lambda tr: held.append(len(tr.strategy.pool.held)))
     _same_training(seq, fused)
+    assert held == [0, 0]
     assert all("trace/busy_fraction/rollout-1" in m for m in fused[1])
     # Intra-stage fusion: the critic's update ran on a track of its own, at the same time as the actor's.
     trace = json.loads((tmp_path / "schedule.mode-fused_schedule.rollout_workers-2_schedule.migration_threshold-0.9"

@@ -387,6 +387,8 @@ class Pooled(Strategy):
             out["time/rollout_worker_seconds"] = sum(held)
             out |= self.chooser.info
             self.chooser.rest = max(0.0, (time.perf_counter() - mark) - self._gen_seconds)
+        else:  # reserved modes bill whole steps: the held spans are never read, so they must not pile up
+            self.pool.held.clear()
         events = self.tracer.events_for(step)
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": v}}
                 for k, v in self.tracer.tracks.items()]
