@@ -242,7 +242,7 @@ class ReplicaSet:
         self._info_refs = [h.info.remote() for h in handles]
         self._infos: list[dict] | None = None
         self.connected = False
-        self.sync_log: deque[tuple[int, float]] = deque(maxlen=64)  # (bytes per replica, seconds) of recent syncs
+        self.sync_log: list[tuple[int, float]] = []  # (bytes per replica, seconds) of every sync
         self.sync_metrics: dict[str, float] = {}  # the last sync's (``sync``), for the step's metrics
         self.synced: int | None = None  # version of the last sync (None: the weights they were built with)
 

@@ -383,12 +383,10 @@ class Pooled(Strategy):
             self._scored, self._scored_ref, self._stolen = self.pool.scored, self.pool.scored_ref, self.pool.stolen
         if self.elastic:  # held time of the threads that ended since the step began (clipped to it)
             held = [(t1 - max(t0, mark)) for _w, t0, t1 in self.pool.held if t1 > mark]
-            self.pool.held.clear()
             out["time/rollout_worker_seconds"] = sum(held)
             out |= self.chooser.info
             self.chooser.rest = max(0.0, (time.perf_counter() - mark) - self._gen_seconds)
-        else:  # reserved modes bill whole steps: the held spans are never read, so they must not pile up
-            self.pool.held.clear()
+        self.pool.held.clear()  # read by elastic only; emptied every step so it never piles up
         events = self.tracer.events_for(step)
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": k, "args": {"name": v}}
                 for k, v in self.tracer.tracks.items()]

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .trace import step_of
+
 SAMPLE_DONE = "sample_done"  # instant event name marking a sample that finished generating
 
 
@@ -59,7 +61,7 @@ def parse_trace(data: dict | list) -> Trace:
     out = Trace()
     for e in events:
         ph, track = e.get("ph"), (int(e.get("pid", 0)), int(e.get("tid", 0)))
-        step = int((e.get("args") or {}).get("step", 0))
+        step = step_of(e)
         if ph == "X":
             start = float(e["ts"]) / 1e6
             out.spans.append(Span(e.get("name", ""), track, start, start + float(e.get("dur", 0.0)) / 1e6, step))
