@@ -3,6 +3,7 @@ async sample respects the staleness bound; migration mid-sample keeps the tokens
 
 import json
 import os
+import statistics
 import sys
 import threading
 
@@ -246,6 +247,12 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
         # From the unrounded figures: within what the runs' rounding to 0.01 samples/s allows.
         lo, hi = sorted(r["samples_per_second_runs"])
         assert (hi - 0.005) / (lo + 0.005) - 1 - 1e-6 <= r["repeat_spread"] <= (hi + 0.005) / (lo - 0.005) - 1 + 1e-6
+    # The mean of the per-repeat ratios and its 95% interval (two repeats: t = 12.706 on one degree of freedom).
+    a, b = fused["speedup_vs_sequential_runs"]
+    assert fused["speedup_vs_sequential_mean"] == pytest.approx((a + b) / 2, abs=1e-6)
+    assert fused["speedup_vs_sequential_ci95"] == [pytest.approx((a + b) / 2 - 12.706 * abs(a - b) / 2, abs=1e-5),
+                                                   pytest.approx((a + b) / 2 + 12.706 * abs(a - b) / 2, abs=1e-5)]
+    assert seq["speedup_vs_sequential_ci95"] == [1.0, 1.0]
     assert out["repeat_spread_max"] == max(r["repeat_spread"] for r in out["modes"].values())
     assert out["modes"][out["repeat_spread_mode"]]["repeat_spread"] == out["repeat_spread_max"]
     for r in out["modes"].values():
@@ -259,6 +266,10 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
         assert fused["room_captured"] == pytest.approx((fused["speedup_vs_sequential"] - 1)
                                                        / (out["speedup_bound"] - 1), abs=1e-5)
         assert seq["room_captured"] == 0.0
+        assert fused["room_captured_mean"] == pytest.approx((fused["speedup_vs_sequential_mean"] - 1)
+                                                            / (out["speedup_bound"] - 1), abs=1e-5)
+        lo, hi = fused["room_captured_ci95"]
+        assert lo <= fused["room_captured_mean"] <= hi
     # fused+elastic trains like sequential, so its rewards match step for step
     assert fused["reward_per_step"] == seq["reward_per_step"]
     # Worker-seconds: sequential holds both workers for its whole (timed) step; elastic only while they work.
@@ -278,6 +289,23 @@ def test_speedup_bound_spreads_the_least_cpu_work_over_the_cores():
     assert speedup_bound(modes, 2) == pytest.approx(2.0 / 1.6)  # fused's 3.2 CPU-s on 2 cores: 1.6 s a step
     assert speedup_bound(modes, 4) == pytest.approx(2.0 / 0.8)
     assert speedup_bound({"fused": modes["fused"]}, 2) is None  # nothing to compare against
+
+
+def test_mean_interval_uses_students_t():
+    from fuseflow.bench.fusion import mean_interval
+
+    assert mean_interval([1.07]) is None  # one repeat: no interval
+    # Six repeats, 1.05 -+ d three times each: mean 1.05, sample sd exactly 0.04
+    d = 0.04 * (5 / 6) ** 0.5
+    vals = [1.05 - d, 1.05 + d] * 3
+    mean, lo, hi = mean_interval(vals)
+    assert mean == pytest.approx(1.05)
+    assert hi - mean == pytest.approx(2.571 * 0.04 / 6 ** 0.5, abs=2e-6)  # t(0.975, 5 dof) = 2.571
+    assert mean - lo == pytest.approx(hi - mean, abs=2e-6)
+    # Beyond 30 degrees of freedom the quantile stays at 30's (2.042), never the narrower normal 1.960.
+    many = [1.0, 1.2] * 40
+    mean, lo, hi = mean_interval(many)
+    assert hi - mean == pytest.approx(2.042 * statistics.stdev(many) / 80 ** 0.5, abs=2e-6)
 
 
 def test_room_captured_is_the_share_of_the_bounds_gain():

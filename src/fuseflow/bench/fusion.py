@@ -33,7 +33,10 @@ replicas did not take). Where the roles share one process of one slot (the defau
 run one at a time, so no schedule on that placement makes a step shorter than the least of them:
 ``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
 ``speedup_bound`` (which assumes the least CPU work spreads over every core). ``room_captured`` per mode is
-``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. ``speedup_vs_trl`` comes from
+``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. With ``repeats > 1`` every mode also reports the mean
+of its per-repeat ratios (``speedup_vs_sequential_runs``) as ``speedup_vs_sequential_mean`` with a two-sided
+95% t-interval ``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them
+(the run's bound held fixed). ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -166,6 +169,27 @@ def room_captured(speedup: float, bound: float) -> float | None:
     return round((speedup - 1.0) / (bound - 1.0), 6)
 
 
+# Student's t quantile 0.975 by degrees of freedom (1-30), for two-sided 95% intervals over a few repeats;
+# above 30 the value at 30 (slightly wider than the limit, 1.960).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """Mean of ``values`` and its two-sided 95% t-interval, ``(mean, low, high)``; None under two values.
+    Used on a mode's per-repeat ratios to ``sequential`` (each paired with the sequential run of its
+    repeat), so a verdict reads against what the repeats allow, not one median run.
+
+    >>> mean_interval([1.0, 1.1, 1.2])
+    (1.1, 0.851566, 1.348434)
+    """
+    if len(values) < 2:
+        return None
+    mean = statistics.fmean(values)
+    half = T975[min(len(values) - 1, len(T975)) - 1] * statistics.stdev(values) / len(values) ** 0.5
+    return round(mean, 6), round(mean - half, 6), round(mean + half, 6)
+
+
 def repeat_spread(runs: list[float]) -> float | None:
     """How far one mode's repeats lie apart: fastest over slowest samples/s, minus 1 (None with one run).
     On a shared machine this is the noise floor of the run: differences between modes smaller than the
@@ -279,12 +303,18 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     if spreads:
         widest = max(spreads, key=spreads.get)
         out["repeat_spread_max"], out["repeat_spread_mode"] = spreads[widest], widest
+    for r in results.values():
+        if (ci := mean_interval(r.get("speedup_vs_sequential_runs", []))) is not None:
+            r["speedup_vs_sequential_mean"], r["speedup_vs_sequential_ci95"] = ci[0], [ci[1], ci[2]]
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
         for r in results.values():
             if (room := room_captured(r["speedup_vs_sequential"], bound)) is not None:
                 r["room_captured"] = room
+            if "speedup_vs_sequential_mean" in r and bound > 1.0:  # the run's bound taken as fixed
+                r["room_captured_mean"] = room_captured(r["speedup_vs_sequential_mean"], bound)
+                r["room_captured_ci95"] = [room_captured(x, bound) for x in r["speedup_vs_sequential_ci95"]]
     placed = speedup_bound_placement(results) if backend == "ray" else None
     if placed is not None:
         out["speedup_bound_placement"] = placed
@@ -335,8 +365,11 @@ def register(bench_app) -> None:
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
-            rooms = [f"{n} {r['room_captured']:.2f}" for n, r in result["modes"].items()
-                     if n != "sequential" and "room_captured" in r]
+            rooms = [f"{n} {r['room_captured']:.2f}" + (
+                         f" (mean of the repeats {r['room_captured_mean']:.2f}, 95% interval "
+                         f"{r['room_captured_ci95'][0]:.2f} to {r['room_captured_ci95'][1]:.2f})"
+                         if "room_captured_mean" in r else "")
+                     for n, r in result["modes"].items() if n != "sequential" and "room_captured" in r]
             if rooms:
                 console.print(f"share of that room captured: {', '.join(rooms)}", soft_wrap=True)
         if "speedup_bound_placement" in result:
