@@ -170,7 +170,8 @@ def room_captured(speedup: float, bound: float) -> float | None:
 
 
 # Student's t quantile 0.975 by degrees of freedom (1-30), for two-sided 95% intervals over a few repeats;
-# above 30 the value at 30 (slightly wider than the limit, 1.960).
+# above 30 the value at 30 (slightly wider than the limit, 1.960). A table: torch's StudentT has no inverse
+# CDF, and scipy is not a dependency for one constant per repeat count.
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
@@ -312,9 +313,9 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         for r in results.values():
             if (room := room_captured(r["speedup_vs_sequential"], bound)) is not None:
                 r["room_captured"] = room
-            if "speedup_vs_sequential_mean" in r and bound > 1.0:  # the run's bound taken as fixed
-                r["room_captured_mean"] = room_captured(r["speedup_vs_sequential_mean"], bound)
-                r["room_captured_ci95"] = [room_captured(x, bound) for x in r["speedup_vs_sequential_ci95"]]
+                if "speedup_vs_sequential_mean" in r:  # the run's bound taken as fixed
+                    r["room_captured_mean"] = room_captured(r["speedup_vs_sequential_mean"], bound)
+                    r["room_captured_ci95"] = [room_captured(x, bound) for x in r["speedup_vs_sequential_ci95"]]
     placed = speedup_bound_placement(results) if backend == "ray" else None
     if placed is not None:
         out["speedup_bound_placement"] = placed
@@ -328,6 +329,15 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         out["speedup_vs_trl"] = trl["speedup_vs_trl"]
         out["trl_comparison"] = trl
     return out
+
+
+def _room_of_the_repeats(r: dict) -> str:
+    """The room from the mean of a mode's repeats and its 95% interval, as printed after its median run's
+    room; empty for a mode without them (one repeat)."""
+    if "room_captured_mean" not in r:
+        return ""
+    lo, hi = r["room_captured_ci95"]
+    return f" (mean of the repeats {r['room_captured_mean']:.2f}, 95% interval {lo:.2f} to {hi:.2f})"
 
 
 def register(bench_app) -> None:
@@ -365,11 +375,8 @@ def register(bench_app) -> None:
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
-            rooms = [f"{n} {r['room_captured']:.2f}" + (
-                         f" (mean of the repeats {r['room_captured_mean']:.2f}, 95% interval "
-                         f"{r['room_captured_ci95'][0]:.2f} to {r['room_captured_ci95'][1]:.2f})"
-                         if "room_captured_mean" in r else "")
-                     for n, r in result["modes"].items() if n != "sequential" and "room_captured" in r]
+            rooms = [f"{n} {r['room_captured']:.2f}{_room_of_the_repeats(r)}" for n, r in result["modes"].items()
+                     if n != "sequential" and "room_captured" in r]
             if rooms:
                 console.print(f"share of that room captured: {', '.join(rooms)}", soft_wrap=True)
         if "speedup_bound_placement" in result:
