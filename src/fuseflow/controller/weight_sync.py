@@ -78,7 +78,8 @@ def broadcast_parameters(params: Iterable[torch.Tensor], src: int = 0, group=Non
 
 @torch.no_grad()
 def _broadcast_buckets(params: Iterable[torch.Tensor], send, is_src: bool, bucket_bytes: int) -> int:
-    params = [p.data if isinstance(p, torch.nn.Parameter) else p for p in params]
+    # detach(), not .data: a write through it counts in the parameter's version (a PromptCache's check).
+    params = [p.detach() for p in params]
     sent = 0
     for idx in buckets(params, bucket_bytes):
         chunk = [params[i] for i in idx]

@@ -326,12 +326,16 @@ class CausalLM(nn.Module):
         `DecoderModel.forward`); the logits are then (1, N, V)."""
         h, cache = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache, unpadded)
         if isinstance(logits_to_keep, Tensor):
-            logits = self.lm_head(h[:, logits_to_keep])
+            logits = self.head(h[:, logits_to_keep])
         else:
-            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
+            logits = self.head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         return CausalLMOutput(
             logits=logits, past_key_values=cache, hidden_states=h if return_hidden else None
         )
+
+    def head(self, h: Tensor) -> Tensor:
+        """Logits (..., V) of final-norm hidden states (..., hidden): the LM head alone."""
+        return self.lm_head(h)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Distinct parameters (tied embeddings counted once)."""

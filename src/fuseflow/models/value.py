@@ -51,6 +51,10 @@ class ValueModel(nn.Module):
         h, _ = self.model(input_ids, attention_mask, position_ids, unpadded=unpadded)
         if values_to_keep is not None:
             h = h[:, values_to_keep]
+        return self.head(h)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Values (...) in fp32 of final-norm hidden states (..., hidden): the value head alone."""
         return self.value_head(h).squeeze(-1).float()
 
     def zero_head(self) -> None:

@@ -18,6 +18,7 @@ from .common import (
     autocast,
     clipped_step,
     mean_metrics,
+    prompt_cache,
     response_logprobs,
     set_lr,
     shares_prefix,
@@ -51,7 +52,7 @@ class ReferenceWorker(Worker):
         def run(mb: Batch) -> torch.Tensor:
             with autocast(self.device, self.dtype):
                 return response_logprobs(self.model, mb.to(self.device), self.temperature,
-                                         share_prefix=shares_prefix(self)).cpu()
+                                         share_prefix=shares_prefix(self), prompt_cache=prompt_cache(self)).cpu()
 
         return sorted_inference(batch, self.token_budget, run, worker=self)
 

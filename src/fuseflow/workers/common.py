@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -72,7 +75,7 @@ def _prompt_keys(batch: Batch) -> torch.Tensor:
     return torch.where(mask[:, :tp].bool(), ids[:, :tp], -1)
 
 
-def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+def shared_prompts(batch: Batch, min_saving: float = SHARED_PREFIX_MIN_SAVING) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first, inverse)`` when running each distinct prompt once and the responses unpadded saves
     enough tokens, else None.
 
@@ -80,7 +83,7 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     position in ``first`` of each row's prompt. Rows share a prompt when their prompt columns
     (ids and mask, left-padded) are equal. The plan's forward costs ``U * Tp`` prompt tokens plus
     one per real response token but each row's last; None when that saves less than
-    ``SHARED_PREFIX_MIN_SAVING`` of one padded forward's ``B * (Tp + Tr - 1)``. A saving comes from
+    ``min_saving`` of one padded forward's ``B * (Tp + Tr - 1)``. A saving comes from
     shared prompts (GRPO's groups), from response padding (a long-tailed batch), or both.
     """
     ids = batch["input_ids"]
@@ -91,11 +94,159 @@ def shared_prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     uniq, inverse = torch.unique(_prompt_keys(batch), dim=0, return_inverse=True)
     u = uniq.shape[0]
     packed = int(batch["attention_mask"][:, tp + 1:].sum())  # response tokens that predict a next one
-    if u * tp + packed > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
+    if u * tp + packed > (1 - min_saving) * b * (tp + tr - 1):
         return None
     rows = torch.arange(b, device=ids.device)
     first = torch.full((u,), b, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, rows, reduce="amin")
     return first, inverse
+
+
+# A prompt cache holds at most this many bytes of keys and values (least recently used dropped first).
+# The bench's sort step (32 prompts of ~50 tokens, a 135M model in fp32) needs ~75 MB.
+PROMPT_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class _PromptEntry:
+    keys: torch.Tensor  # (layers, H_kv, L, hd): the prompt's real tokens only
+    values: torch.Tensor
+    out: torch.Tensor  # the model's head at the prompt's last token: logits (V,) or a value ()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size() + self.out.numel() * self.out.element_size()
+
+
+class PromptCache:
+    """Keys, values and last-token output of the prompts a worker's model has run, reused by its
+    later forwards without autograd (old and reference log-probs, values) under the same weights.
+
+    Why: scoring splits a step's samples into many forwards (length-sorted chunks of each call and,
+    in the streamed modes, several calls a step), and a GRPO/PPO group's samples land in several of
+    them; each ran the group's prompt again (5-9% more tokens in a fused step on ``sort``,
+    docs/ray_rollout.md). Entries are compact copies; all are dropped when any parameter of the
+    model is replaced or written in place (its identity or autograd version changes: an optimizer
+    step, ``load_state_dict``, a weight sync), and the least recently used go once the entries
+    hold more than ``max_bytes``.
+    """
+
+    def __init__(self, max_bytes: int = PROMPT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, ...], _PromptEntry] = OrderedDict()
+        self.nbytes = 0
+        self._weights: tuple | None = None
+        self.hits = self.misses = 0  # prompts found and run, since creation
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Drop every entry unless ``model``'s parameters are the ones the entries were made with."""
+        weights = tuple((id(p), p._version) for p in model.parameters())
+        if weights != self._weights:
+            self.entries.clear()
+            self.nbytes, self._weights = 0, weights
+
+    def get(self, key: tuple[int, ...]) -> _PromptEntry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple[int, ...], entry: _PromptEntry) -> None:
+        if key in self.entries:
+            self.nbytes -= self.entries.pop(key).nbytes
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.max_bytes and len(self.entries) > 1:
+            self.nbytes -= self.entries.popitem(last=False)[1].nbytes
+
+
+def prompt_cache(worker) -> PromptCache | None:
+    """``worker``'s prompt cache (made on first use) when its forwards share prompts (``shares_prefix``)."""
+    if not shares_prefix(worker):
+        return None
+    cache = worker.__dict__.get("prompt_cache")
+    if cache is None:
+        cache = worker.prompt_cache = PromptCache()
+    return cache
+
+
+def _prompt_key(row: list[int]) -> tuple[int, ...] | None:
+    """A left-padded prompt row of ``_prompt_keys`` (-1 at padding) -> its real tokens; None when its
+    real tokens are not one run at the end (positions would not be 0, 1, ...)."""
+    start = next((i for i, t in enumerate(row) if t >= 0), len(row))
+    key = tuple(row[start:])
+    return None if -1 in key else key
+
+
+class _Rows(Sequence):
+    """Per layer, each row's prompt keys (or values): (U, ...) entries gathered to (B, ...) on access,
+    so one layer's (B, H_kv, Tp, hd) lives at a time (a ``KVCache`` reads ``keys[i]`` per layer)."""
+
+    def __init__(self, per_prompt: torch.Tensor, inverse: torch.Tensor):
+        self.per_prompt, self.inverse = per_prompt, inverse  # (layers, U, H_kv, Tp, hd), (B,)
+
+    def __len__(self) -> int:
+        return self.per_prompt.shape[0]
+
+    def __getitem__(self, i):
+        return self.per_prompt[i].index_select(0, self.inverse)
+
+
+def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
+                           inverse: torch.Tensor, cache: PromptCache):
+    """The head's outputs at ``_packed_inputs``' kept positions and their ``where``, with each distinct
+    prompt's keys and values taken from ``cache`` or computed once and added to it; None when a
+    prompt is not left-padded into one run (the caller runs ``_packed_inputs``' forward).
+
+    Two forwards at most: the prompts not cached (packed, ``Unpadded``), then the responses'
+    packed tokens behind each row's prompt keys and values (``past_key_values``, gathered per layer).
+    """
+    from fuseflow.models.attention import Unpadded
+    from fuseflow.models.llama import KVCache
+
+    tp, dev = ids.shape[1] - tr, ids.device
+    pmask = mask[first, :tp]  # (U, Tp)
+    keys = [_prompt_key(r) for r in torch.where(pmask.bool(), ids[first, :tp], -1).tolist()]
+    if any(k is None for k in keys):
+        return None
+    cache.bind(model)
+    found = [cache.get(k) for k in keys]
+    todo = [u for u, e in enumerate(found) if e is None]
+    cache.hits += len(keys) - len(todo)
+    cache.misses += len(todo)
+    if todo:
+        pm = pmask[todo]
+        layout = Unpadded.from_mask(pm)
+        tokens = ids[first[todo], :tp].reshape(-1)[layout.index]
+        positions = position_ids(pm).reshape(-1)[layout.index]
+        h, kv = model.model(tokens[None], pm, positions[None], use_cache=True, unpadded=layout)
+        lengths = pm.sum(1)
+        outs = model.head(h[0, lengths.cumsum(0) - 1])  # each prompt's last token
+        k_all, v_all = torch.stack(kv.keys), torch.stack(kv.values)  # (layers, Um, H_kv, Tp, hd)
+        for j, u in enumerate(todo):
+            n = int(lengths[j])
+            found[u] = _PromptEntry(k_all[:, j, :, tp - n:].clone(), v_all[:, j, :, tp - n:].clone(), outs[j].clone())
+            cache.put(keys[u], found[u])
+    e0 = found[0]
+    shape = (e0.keys.shape[0], len(found), e0.keys.shape[1], tp, e0.keys.shape[3])
+    k_pre, v_pre = e0.keys.new_zeros(shape), e0.values.new_zeros(shape)  # (layers, U, H_kv, Tp, hd), left-padded
+    for u, e in enumerate(found):
+        n = e.keys.shape[2]
+        k_pre[:, u, :, tp - n:] = e.keys
+        v_pre[:, u, :, tp - n:] = e.values
+    out = torch.stack([e.out for e in found]).index_select(0, inverse)  # row i's prompt predicts its token 0
+    keep = mask[:, tp + 1:]  # (B, Tr - 1): input j is packed when token j + 1 is real
+    resp = Unpadded.from_mask(keep)
+    r_at = resp.index
+    if r_at.numel():
+        tokens = ids[:, tp:-1].reshape(-1)[r_at]
+        positions = position_ids(mask)[:, tp:-1].reshape(-1)[r_at]
+        past = KVCache(_Rows(k_pre, inverse), _Rows(v_pre, inverse))
+        h, _ = model.model(tokens[None], torch.cat([mask[:, :tp], keep], 1), positions[None],
+                           past_key_values=past, unpadded=resp)
+        out = torch.cat([out, model.head(h[0])])
+    rows, width = torch.arange(ids.shape[0], device=dev), max(tr - 1, 1)
+    where = (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
+    return out, where
 
 
 def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor, inverse: torch.Tensor):
@@ -131,21 +282,37 @@ def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.
     return inputs, wanted, where
 
 
-def response_values(model, batch: Batch, share_prefix: bool = False) -> torch.Tensor:
+def response_values(model, batch: Batch, share_prefix: bool = False,
+                    prompt_cache: PromptCache | None = None) -> torch.Tensor:
     """Values (B, Tr) of a ``ValueModel``: the state before each response token, fp32.
 
     ``share_prefix``: one packed forward over each distinct prompt once and the responses, without
     padding, as ``response_logprobs`` does (``shared_prompts`` decides whether it saves enough);
     positions past a row's response then hold 0, which the value loss and GAE mask out anyway.
+    ``prompt_cache``: with ``share_prefix`` and autograd off, prompts it holds are not run again.
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
-    plan = shared_prompts(batch) if share_prefix else None
+    cache = _usable(model, prompt_cache)
+    plan = shared_prompts(batch, 0.0 if cache else SHARED_PREFIX_MIN_SAVING) if share_prefix else None
     if plan is None:
         return model(ids, attention_mask=mask, position_ids=position_ids(mask))[:, response_slice(batch)].float()
-    inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
-    values = model(**inputs, values_to_keep=wanted)[0]  # (M,)
+    cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
+    if cached:
+        values, where = cached
+    else:
+        inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
+        values = model(**inputs, values_to_keep=wanted)[0]  # (M,)
     return values.new_zeros(ids.shape[0], tr).index_put(where, values)
+
+
+def _usable(model, cache: PromptCache | None) -> PromptCache | None:
+    """``cache`` where it may serve (autograd off, a plain decoder with a head), else None. With one,
+    every shared-prefix plan is taken (``shared_prompts``' minimum saving 0): a prompt run now is
+    one its group's later forwards need not run."""
+    if cache is None or torch.is_grad_enabled() or not (hasattr(model, "head") and hasattr(model, "model")):
+        return None
+    return cache
 
 
 def shares_prefix(worker) -> bool:
@@ -156,7 +323,7 @@ def shares_prefix(worker) -> bool:
 
 
 def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False,
-                      share_prefix: bool = False):
+                      share_prefix: bool = False, prompt_cache: PromptCache | None = None):
     """Log-probs (B, Tr) of the response tokens under ``model`` at ``temperature``; optionally entropy (B, Tr).
 
     Only the last ``Tr + 1`` positions go through the LM head (``logits_to_keep``): the prompt's
@@ -171,16 +338,23 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     ``share_prefix``: one packed forward over each distinct prompt once and the responses, without
     padding (``shared_prompts`` decides whether it saves enough); positions past a row's response
     then hold 0. The model must be a plain decoder that takes ``unpadded`` (not a pipeline stage,
-    not sharded: every rank would have to make the same choice).
+    not sharded: every rank would have to make the same choice). ``prompt_cache``: with
+    ``share_prefix`` and autograd off, prompts it holds are not run again (``PromptCache``).
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
     targets = ids[:, -tr:]  # (B, Tr)
-    plan = shared_prompts(batch) if share_prefix else None
+    cache = _usable(model, prompt_cache)
+    plan = shared_prompts(batch, 0.0 if cache else SHARED_PREFIX_MIN_SAVING) if share_prefix else None
     where = None
     if plan is not None:  # (M, V) at the real response positions ``where``
-        inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
-        logits = model(**inputs, logits_to_keep=wanted).logits[0].float()  # (M, V) at the real response tokens
+        cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
+        if cached:
+            logits, where = cached
+            logits = logits.float()
+        else:
+            inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
+            logits = model(**inputs, logits_to_keep=wanted).logits[0].float()  # (M, V) at the real response tokens
         targets = targets[where]
     else:
         logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits

@@ -13,6 +13,7 @@ from .common import (
     autocast,
     clipped_step,
     mean_metrics,
+    prompt_cache,
     response_values,
     set_lr,
     shares_prefix,
@@ -44,9 +45,10 @@ class CriticWorker(TrainableRole):
 
     def _values(self, mb: Batch) -> torch.Tensor:
         """(B, Tr) value of the state before each response token; shared prompts run once, responses
-        unpadded (``response_values``) where that saves enough."""
+        unpadded (``response_values``) where that saves enough; without autograd, prompts already
+        run under these weights come from the worker's ``PromptCache``."""
         with autocast(self.device, self.dtype):
-            return response_values(self.model, mb, share_prefix=shares_prefix(self))
+            return response_values(self.model, mb, share_prefix=shares_prefix(self), prompt_cache=prompt_cache(self))
 
     @register("dp_split")
     @torch.no_grad()
