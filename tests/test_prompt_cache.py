@@ -15,8 +15,9 @@ import torch
 from fuseflow.workers.common import PromptCache, _prompt_key, prompt_cache, response_logprobs, response_values
 from test_response_logprobs import GROUPED, PROMPT_LENS, _batch, _grouped_rows, _model, _naive, _value_model
 
-# Rows 0, 3 and 6 of GROUPED, then rows 1, 2, 4 and 5: every prompt of the second part ran in the first.
-FIRST, SECOND = [0, 3, 6], [1, 2, 4, 5]
+# Calls over rows of GROUPED: prompts 0 and 1 run in the first; the second runs prompt 2 and is
+# given 0 and 1; the third is given every prompt it has, and so is the fourth, a single row.
+PARTS = [[0, 1, 3, 4], [2, 5, 6], [0, 6], [5]]
 
 
 def _count_tokens(model) -> list[int]:
@@ -25,25 +26,24 @@ def _count_tokens(model) -> list[int]:
     return seen
 
 
-def test_a_later_forward_reuses_the_prompts_and_equals_the_unpadded_rows():
+def test_later_forwards_reuse_the_prompts_and_equal_the_unpadded_rows():
     rows, model = _grouped_rows(), _model()
     naive = _naive(model, rows, 0.7)
     cache, seen = PromptCache(), _count_tokens(model)
     with torch.no_grad():
-        parts = {}
-        for part in (FIRST, SECOND):
+        for part in PARTS:
             logp, entropy = response_logprobs(model, _batch([rows[i] for i in part]), 0.7, with_entropy=True,
                                               share_prefix=True, prompt_cache=cache)
-            parts.update({row: (logp[j], entropy[j]) for j, row in enumerate(part)})
-    for i, (lp, ent) in enumerate(naive):
-        n = len(lp)
-        torch.testing.assert_close(parts[i][0][:n], lp, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(parts[i][1][:n], ent, rtol=1e-5, atol=1e-5)
-    # First part: its three prompts once (one forward), then its responses but each one's last token.
-    # Second part: no prompt token at all, only its responses' packed tokens.
-    first_responses = sum(GROUPED[i][1] - 1 for i in FIRST)
-    assert seen == [sum(PROMPT_LENS), first_responses, sum(GROUPED[i][1] - 1 for i in SECOND)]
-    assert (cache.misses, cache.hits) == (3, 2)  # the second part holds two distinct prompts
+            for j, row in enumerate(part):
+                n = len(naive[row][0])
+                torch.testing.assert_close(logp[j, :n], naive[row][0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(entropy[j, :n], naive[row][1], rtol=1e-5, atol=1e-5)
+                assert not logp[j, n:].any()
+    # One forward per call: the prompts not run before, then each response but its last token.
+    ran = [[0, 1], [2], [], []]
+    want = [sum(PROMPT_LENS[u] for u in r) + sum(GROUPED[i][1] - 1 for i in part) for r, part in zip(ran, PARTS, strict=True)]
+    assert seen == want == [31, 21, 6, 3]
+    assert (cache.misses, cache.hits) == (3, 5)
 
 
 def test_cached_values_equal_the_unpadded_rows():
@@ -51,13 +51,11 @@ def test_cached_values_equal_the_unpadded_rows():
     cache = PromptCache()
     with torch.no_grad():
         want = [vm(torch.tensor([p + r]))[0, len(p) - 1: len(p) + len(r) - 1] for p, r in rows]
-        got = {}
-        for part in (FIRST, SECOND):
+        for part in PARTS:
             values = response_values(vm, _batch([rows[i] for i in part]), share_prefix=True, prompt_cache=cache)
-            got.update({row: values[j] for j, row in enumerate(part)})
-    for i, v in enumerate(want):
-        torch.testing.assert_close(got[i][:len(v)], v, rtol=1e-5, atol=1e-5)
-    assert cache.hits == 2
+            for j, row in enumerate(part):
+                torch.testing.assert_close(values[j, :len(want[row])], want[row], rtol=1e-5, atol=1e-5)
+    assert (cache.misses, cache.hits) == (3, 5)
 
 
 def test_an_optimizer_step_drops_the_cached_prompts():

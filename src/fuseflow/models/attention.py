@@ -7,7 +7,7 @@ and gathers back (``DecoderModel.forward(unpadded=...)``). The engine's runner u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +105,9 @@ class SharedPrefix:
     autograd sums back to the one prompt) and its own, at the positions the whole row gives them;
     every other op sees N real tokens. ``batch`` and ``width`` are the whole rows' layout, whose
     ``attention_mask`` the forward takes. Build it with ``from_masks``.
+
+    Prompts computed before may be left out of the packed input: their (G, H_kv, Tp, hd) keys and
+    values, left-padded, come as the forward's ``past_key_values`` and stand as prompts U..U+G-1.
     """
 
     prompt: Unpadded
@@ -112,15 +115,21 @@ class SharedPrefix:
     inverse: Tensor  # (B,) each row's prompt
     prompt_mask: Tensor  # (U, 1, Tp, Tp) SDPA mask of the prompts
     response_mask: Tensor  # (B, 1, Tr, Tp + Tr) SDPA mask of the responses
+    # When a list, each layer's attention appends its prompts' (keys, values), (U, H_kv, Tp, hd) each,
+    # left-padded (a scoring forward keeps them for later forwards: workers.common.PromptCache).
+    record: list | None = field(default=None, compare=False)
 
     @classmethod
-    def from_masks(cls, prompt_mask: Tensor, response_mask: Tensor, inverse: Tensor) -> SharedPrefix:
+    def from_masks(cls, prompt_mask: Tensor, response_mask: Tensor, inverse: Tensor,
+                   record: list | None = None, given_mask: Tensor | None = None) -> SharedPrefix:
         """From the (U, Tp) masks of the distinct prompts (left-padded), the (B, Tr) masks of the
-        responses and the (B,) prompt of each row."""
+        responses and the (B,) prompt of each row; ``given_mask``: the (G, Tp) masks of the prompts
+        whose keys and values the forward is given."""
         tp, tr = prompt_mask.shape[1], response_mask.shape[1]
-        rows = torch.cat([prompt_mask[inverse], response_mask.to(prompt_mask.dtype)], 1)
+        every = prompt_mask if given_mask is None else torch.cat([prompt_mask, given_mask])
+        rows = torch.cat([every[inverse], response_mask.to(prompt_mask.dtype)], 1)
         return cls(Unpadded.from_mask(prompt_mask), Unpadded.from_mask(response_mask), inverse,
-                   build_attention_mask(prompt_mask, tp, 0), build_attention_mask(rows, tr, tp))
+                   build_attention_mask(prompt_mask, tp, 0), build_attention_mask(rows, tr, tp), record)
 
     @property
     def index(self) -> Tensor:
@@ -137,12 +146,17 @@ class SharedPrefix:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                   past: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
-        """As `Unpadded.attention` (``mask`` is unused: the layout holds its own; no ``past``)."""
-        if past is not None:
-            raise ValueError("a SharedPrefix forward takes no past_key_values")
+        """As `Unpadded.attention` (``mask`` is unused: the layout holds its own); ``past``: the given
+        prompts' keys and values."""
         n = self.prompt.index.numel()
         kp, vp = self.prompt.pad(k[:, :, :n]), self.prompt.pad(v[:, :, :n])  # (U, H_kv, Tp, hd)
-        out = self.prompt.unpad(attend(self.prompt.pad(q[:, :, :n]), kp, vp, self.prompt_mask, is_causal=False))
+        out = q[:, :, :0]
+        if n:
+            out = self.prompt.unpad(attend(self.prompt.pad(q[:, :, :n]), kp, vp, self.prompt_mask, is_causal=False))
+        if self.record is not None:
+            self.record.append((kp, vp))
+        if past is not None:
+            kp, vp = torch.cat((kp, past[0].to(kp.dtype))), torch.cat((vp, past[1].to(vp.dtype)))
         k_rows, v_rows = kp.index_select(0, self.inverse), vp.index_select(0, self.inverse)  # (B, H_kv, Tp, hd)
         if self.response.index.numel():
             r = self.response

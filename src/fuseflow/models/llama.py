@@ -213,6 +213,7 @@ class DecoderModel(nn.Module):
         With ``unpadded``, ``input_ids`` and ``position_ids`` are the packed (1, N) real tokens of a
         (B, T) = (unpadded.batch, unpadded.width) batch; ``attention_mask`` and ``past_key_values``
         keep their padded (B, ...) shapes, and the hidden states come back packed (1, N, hidden).
+        A ``SharedPrefix`` layout's ``past_key_values`` are those of prompts it leaves out (see there).
         """
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (B, T), got shape {tuple(input_ids.shape)}")
@@ -224,8 +225,9 @@ class DecoderModel(nn.Module):
                 raise ValueError("a packed (unpadded) forward needs position_ids of the input's (1, N) shape "
                                  "and the padded batch's attention_mask")
             b, t = unpadded.batch, unpadded.width
-        past_len = 0 if past_key_values is None else past_key_values.seq_len
-        if past_key_values is not None and past_key_values.batch_size != b:
+        shared = isinstance(unpadded, SharedPrefix)  # its past holds prompts the input leaves out, not rows
+        past_len = 0 if past_key_values is None or shared else past_key_values.seq_len
+        if past_key_values is not None and not shared and past_key_values.batch_size != b:
             raise ValueError(f"past_key_values has batch {past_key_values.batch_size} but input_ids has {b}")
         if attention_mask is not None and tuple(attention_mask.shape) != (b, past_len + t):
             raise ValueError(
@@ -242,7 +244,7 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)  # (B, T, hidden)
         cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config, h.device), h.dtype)
         # A SharedPrefix layout holds its own masks.
-        mask = None if isinstance(unpadded, SharedPrefix) else build_attention_mask(attention_mask, t, past_len)
+        mask = None if shared else build_attention_mask(attention_mask, t, past_len)
         if mask is not None and t == 1 and (attention_mask is None or bool(attention_mask.all())):
             mask = None  # single query and every key is real: causal order needs no mask
         keys, values = [], []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -75,7 +74,7 @@ def _prompt_keys(batch: Batch) -> torch.Tensor:
     return torch.where(mask[:, :tp].bool(), ids[:, :tp], -1)
 
 
-def shared_prompts(batch: Batch, min_saving: float = SHARED_PREFIX_MIN_SAVING) -> tuple[torch.Tensor, torch.Tensor] | None:
+def shared_prompts(batch: Batch, cache: PromptCache | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first, inverse)`` when running each distinct prompt once and the responses unpadded saves
     enough tokens, else None.
 
@@ -83,18 +82,21 @@ def shared_prompts(batch: Batch, min_saving: float = SHARED_PREFIX_MIN_SAVING) -
     position in ``first`` of each row's prompt. Rows share a prompt when their prompt columns
     (ids and mask, left-padded) are equal. The plan's forward costs ``U * Tp`` prompt tokens plus
     one per real response token but each row's last; None when that saves less than
-    ``min_saving`` of one padded forward's ``B * (Tp + Tr - 1)``. A saving comes from
+    ``SHARED_PREFIX_MIN_SAVING`` of one padded forward's ``B * (Tp + Tr - 1)``. Prompts ``cache``
+    holds (bound to the model) cost nothing, and then a single row may be planned too. A saving comes from
     shared prompts (GRPO's groups), from response padding (a long-tailed batch), or both.
     """
     ids = batch["input_ids"]
     b, tr = ids.shape[0], batch["response_mask"].shape[1]
     tp = ids.shape[1] - tr
-    if b < 2 or tp < 1:
+    if (b < 2 and cache is None) or tp < 1:
         return None
     uniq, inverse = torch.unique(_prompt_keys(batch), dim=0, return_inverse=True)
-    u = uniq.shape[0]
+    u = run = uniq.shape[0]
+    if cache is not None:  # prompts to run
+        run -= sum(cache.get(_prompt_key(r), touch=False) is not None for r in uniq.tolist())
     packed = int(batch["attention_mask"][:, tp + 1:].sum())  # response tokens that predict a next one
-    if u * tp + packed > (1 - min_saving) * b * (tp + tr - 1):
+    if run * tp + packed > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
         return None
     rows = torch.arange(b, device=ids.device)
     first = torch.full((u,), b, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, rows, reduce="amin")
@@ -102,7 +104,7 @@ def shared_prompts(batch: Batch, min_saving: float = SHARED_PREFIX_MIN_SAVING) -
 
 
 # A prompt cache holds at most this many bytes of keys and values (least recently used dropped first).
-# The bench's sort step (32 prompts of ~50 tokens, a 135M model in fp32) needs ~75 MB.
+# SmolLM2-135M's 46-token chat prompts take 2.1 MB each in fp32 (30 layers x 2 x 3 heads x 64 x 46 x 4 B).
 PROMPT_CACHE_BYTES = 256 * 2**20
 
 
@@ -110,24 +112,25 @@ PROMPT_CACHE_BYTES = 256 * 2**20
 class _PromptEntry:
     keys: torch.Tensor  # (layers, H_kv, L, hd): the prompt's real tokens only
     values: torch.Tensor
-    out: torch.Tensor  # the model's head at the prompt's last token: logits (V,) or a value ()
+    hidden: torch.Tensor  # (hidden,) the final-norm state at the prompt's last token (the head's input)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size() + self.out.numel() * self.out.element_size()
+        return 2 * self.keys.numel() * self.keys.element_size() + self.hidden.numel() * self.hidden.element_size()
 
 
 class PromptCache:
-    """Keys, values and last-token output of the prompts a worker's model has run, reused by its
+    """Keys, values and last-token state of the prompts a worker's model has run, reused by its
     later forwards without autograd (old and reference log-probs, values) under the same weights.
 
     Why: scoring splits a step's samples into many forwards (length-sorted chunks of each call and,
     in the streamed modes, several calls a step), and a GRPO/PPO group's samples land in several of
-    them; each ran the group's prompt again (5-9% more tokens in a fused step on ``sort``,
-    docs/ray_rollout.md). Entries are compact copies; all are dropped when any parameter of the
-    model is replaced or written in place (its identity or autograd version changes: an optimizer
-    step, ``load_state_dict``, a weight sync), and the least recently used go once the entries
-    hold more than ``max_bytes``.
+    them; each ran the group's prompt again. A forward with some prompts cached leaves them out of
+    its input and is given their keys and values (``SharedPrefix``); the prompts it runs are added.
+    Entries are views into the forward's block of prompt keys and values (a block is freed with its
+    last entry). All are dropped when any parameter of the model is replaced or written in place
+    (its identity or autograd version changes: an optimizer step, ``load_state_dict``, a weight
+    sync), and the least recently used go once the entries hold more than ``max_bytes``.
     """
 
     def __init__(self, max_bytes: int = PROMPT_CACHE_BYTES):
@@ -144,9 +147,10 @@ class PromptCache:
             self.entries.clear()
             self.nbytes, self._weights = 0, weights
 
-    def get(self, key: tuple[int, ...]) -> _PromptEntry | None:
+    def get(self, key: tuple[int, ...] | None, touch: bool = True) -> _PromptEntry | None:
+        """The entry of prompt ``key`` (its real tokens), marked as just used unless ``touch`` is off."""
         entry = self.entries.get(key)
-        if entry is not None:
+        if entry is not None and touch:
             self.entries.move_to_end(key)
         return entry
 
@@ -177,81 +181,57 @@ def _prompt_key(row: list[int]) -> tuple[int, ...] | None:
     return None if -1 in key else key
 
 
-class _Rows(Sequence):
-    """Per layer, each row's prompt keys (or values): (U, ...) entries gathered to (B, ...) on access,
-    so one layer's (B, H_kv, Tp, hd) lives at a time (a ``KVCache`` reads ``keys[i]`` per layer)."""
-
-    def __init__(self, per_prompt: torch.Tensor, inverse: torch.Tensor):
-        self.per_prompt, self.inverse = per_prompt, inverse  # (layers, U, H_kv, Tp, hd), (B,)
-
-    def __len__(self) -> int:
-        return self.per_prompt.shape[0]
-
-    def __getitem__(self, i):
-        return self.per_prompt[i].index_select(0, self.inverse)
-
-
 def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
                            inverse: torch.Tensor, cache: PromptCache):
-    """The head's outputs at ``_packed_inputs``' kept positions and their ``where``, with each distinct
-    prompt's keys and values taken from ``cache`` or computed once and added to it; None when a
-    prompt is not left-padded into one run (the caller runs ``_packed_inputs``' forward).
-
-    Two forwards at most: the prompts not cached (packed, ``Unpadded``), then the responses'
-    packed tokens behind each row's prompt keys and values (``past_key_values``, gathered per layer).
+    """``_packed_inputs``' forward with the prompts ``cache`` holds left out (their keys and values given)
+    and the others added to it: the outputs at ``where`` and ``where``; None when a prompt is not
+    left-padded into one run (the caller runs the plain packed forward).
     """
-    from fuseflow.models.attention import Unpadded
     from fuseflow.models.llama import KVCache
 
-    tp, dev = ids.shape[1] - tr, ids.device
+    tp = ids.shape[1] - tr
     pmask = mask[first, :tp]  # (U, Tp)
     keys = [_prompt_key(r) for r in torch.where(pmask.bool(), ids[first, :tp], -1).tolist()]
     if any(k is None for k in keys):
         return None
-    cache.bind(model)
     found = [cache.get(k) for k in keys]
-    todo = [u for u, e in enumerate(found) if e is None]
-    cache.hits += len(keys) - len(todo)
-    cache.misses += len(todo)
-    if todo:
-        pm = pmask[todo]
-        layout = Unpadded.from_mask(pm)
-        tokens = ids[first[todo], :tp].reshape(-1)[layout.index]
-        positions = position_ids(pm).reshape(-1)[layout.index]
-        h, kv = model.model(tokens[None], pm, positions[None], use_cache=True, unpadded=layout)
-        lengths = pm.sum(1)
-        outs = model.head(h[0, lengths.cumsum(0) - 1])  # each prompt's last token
-        k_all, v_all = torch.stack(kv.keys), torch.stack(kv.values)  # (layers, Um, H_kv, Tp, hd)
-        for j, u in enumerate(todo):
-            n = int(lengths[j])
-            found[u] = _PromptEntry(k_all[:, j, :, tp - n:].clone(), v_all[:, j, :, tp - n:].clone(), outs[j].clone())
-            cache.put(keys[u], found[u])
-    e0 = found[0]
-    shape = (e0.keys.shape[0], len(found), e0.keys.shape[1], tp, e0.keys.shape[3])
-    k_pre, v_pre = e0.keys.new_zeros(shape), e0.values.new_zeros(shape)  # (layers, U, H_kv, Tp, hd), left-padded
-    for u, e in enumerate(found):
-        n = e.keys.shape[2]
-        k_pre[:, u, :, tp - n:] = e.keys
-        v_pre[:, u, :, tp - n:] = e.values
-    out = torch.stack([e.out for e in found]).index_select(0, inverse)  # row i's prompt predicts its token 0
-    keep = mask[:, tp + 1:]  # (B, Tr - 1): input j is packed when token j + 1 is real
-    resp = Unpadded.from_mask(keep)
-    r_at = resp.index
-    if r_at.numel():
-        tokens = ids[:, tp:-1].reshape(-1)[r_at]
-        positions = position_ids(mask)[:, tp:-1].reshape(-1)[r_at]
-        past = KVCache(_Rows(k_pre, inverse), _Rows(v_pre, inverse))
-        h, _ = model.model(tokens[None], torch.cat([mask[:, :tp], keep], 1), positions[None],
-                           past_key_values=past, unpadded=resp)
-        out = torch.cat([out, model.head(h[0])])
-    rows, width = torch.arange(ids.shape[0], device=dev), max(tr - 1, 1)
-    where = (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
-    return out, where
+    given = [u for u, e in enumerate(found) if e is not None]
+    run = [u for u, e in enumerate(found) if e is None]
+    cache.hits += len(given)
+    cache.misses += len(run)
+    inputs, wanted, where = _packed_inputs(ids, mask, tr, first, inverse, given, record=bool(run))
+    if given:  # (layers, G, H_kv, Tp, hd), left-padded
+        e0 = found[given[0]]
+        shape = (e0.keys.shape[0], len(given), e0.keys.shape[1], tp, e0.keys.shape[3])
+        k_given, v_given = e0.keys.new_zeros(shape), e0.values.new_zeros(shape)
+        for g, u in enumerate(given):
+            n = found[u].keys.shape[2]
+            k_given[:, g, :, tp - n:] = found[u].keys
+            v_given[:, g, :, tp - n:] = found[u].values
+        inputs["past_key_values"] = KVCache(tuple(k_given.unbind(0)), tuple(v_given.unbind(0)))
+    h, _ = model.model(**inputs)
+    h = h[0, wanted]  # final-norm states at the kept positions
+    if given:  # the rows' prompt states: run now (h's first entries) or cached
+        last = h.new_empty((len(keys), h.shape[1]))
+        last[run] = h[:len(run)]
+        last[given] = torch.stack([found[u].hidden for u in given]).to(h.dtype)
+        run_last, h = last[run], torch.cat([last.index_select(0, inverse), h[len(run):]])
+    else:
+        run_last = h[first]  # row first[u] holds prompt u
+    if run:
+        recorded = inputs["unpadded"].record
+        k_run, v_run = torch.stack([k for k, _ in recorded]), torch.stack([v for _, v in recorded])
+        run_last = run_last.clone()  # not a view of every kept position's state
+        for j, u in enumerate(run):  # views into this forward's (layers, U_run, H_kv, Tp, hd) blocks
+            n = int(pmask[u].sum())
+            cache.put(keys[u], _PromptEntry(k_run[:, j, :, tp - n:], v_run[:, j, :, tp - n:], run_last[j]))
+    return model.head(h), where
 
 
-def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor, inverse: torch.Tensor):
-    """Keyword arguments of one packed forward over the real tokens, and the ``(row, column)`` in (B, Tr)
-    of each kept position's output.
+def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor, inverse: torch.Tensor,
+                   given: list[int] | None = None, record: bool = False):
+    """Keyword arguments of one packed forward over the real tokens, the positions whose outputs are
+    kept, and the ``(row, column)`` in (B, Tr) of each kept position's output.
 
     The packed (1, N) tokens are the real tokens of the U distinct prompts, then the response tokens
     that predict a next real token (`SharedPrefix`, without padding). Only attention sees padded
@@ -261,20 +241,34 @@ def _packed_inputs(ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.
     (it predicts response token 0, and its state is the one before it: M's first B entries, one per
     batch row), then every packed response token. Outputs there equal one forward over the whole
     rows up to float rounding.
+
+    ``given``: prompts (indices into U) left out of the input, whose keys and values the caller adds
+    as ``past_key_values`` (in this order); ``wanted`` then starts with the last token of each prompt
+    that runs (in order) instead of the rows'. ``record``: the layout keeps each layer's keys and
+    values of the prompts it runs.
     """
     from fuseflow.models.attention import SharedPrefix
 
     tp, dev = ids.shape[1] - tr, ids.device
     pos = position_ids(mask)
     keep = mask[:, tp + 1:]  # (B, Tr - 1): input j is packed when token j + 1 is real
-    layout = SharedPrefix.from_masks(mask[first, :tp], keep, inverse)
+    run, given_mask = first, None
+    if given:
+        left_out = set(given)
+        order = [u for u in range(first.numel()) if u not in left_out] + list(given)
+        rank = torch.empty(len(order), dtype=torch.long, device=dev)
+        rank[torch.tensor(order, device=dev)] = torch.arange(len(order), device=dev)
+        inverse = rank[inverse]  # each row's prompt in the layout's order: those run, then those given
+        run = first[torch.tensor(order[:len(order) - len(given)], dtype=torch.long, device=dev)]
+        given_mask = mask[first[torch.tensor(given, device=dev)], :tp]
+    layout = SharedPrefix.from_masks(mask[run, :tp], keep, inverse, [] if record else None, given_mask)
     p_at, r_at = layout.prompt.index, layout.response.index
-    tokens = torch.cat([ids[first, :tp].reshape(-1)[p_at], ids[:, tp:-1].reshape(-1)[r_at]])
-    positions = torch.cat([pos[first, :tp].reshape(-1)[p_at], pos[:, tp:-1].reshape(-1)[r_at]])
+    tokens = torch.cat([ids[run, :tp].reshape(-1)[p_at], ids[:, tp:-1].reshape(-1)[r_at]])
+    positions = torch.cat([pos[run, :tp].reshape(-1)[p_at], pos[:, tp:-1].reshape(-1)[r_at]])
     # Left-padded prompts end in a real token: each prompt's last packed token predicts response token 0.
-    last = mask[first, :tp].sum(1).cumsum(0) - 1  # (U,)
+    last = mask[run, :tp].sum(1).cumsum(0) - 1  # (U_run,)
     n_p = p_at.numel()
-    wanted = torch.cat([last[inverse], torch.arange(n_p, n_p + r_at.numel(), device=dev)])
+    wanted = torch.cat([last if given else last[inverse], torch.arange(n_p, n_p + r_at.numel(), device=dev)])
     rows, width = torch.arange(ids.shape[0], device=dev), max(tr - 1, 1)
     where = (torch.cat([rows, r_at // width]), torch.cat([torch.zeros_like(rows), r_at % width + 1]))
     inputs = {"input_ids": tokens[None], "attention_mask": torch.cat([mask[:, :tp], keep], 1),
@@ -294,7 +288,7 @@ def response_values(model, batch: Batch, share_prefix: bool = False,
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
     cache = _usable(model, prompt_cache)
-    plan = shared_prompts(batch, 0.0 if cache else SHARED_PREFIX_MIN_SAVING) if share_prefix else None
+    plan = shared_prompts(batch, cache) if share_prefix else None
     if plan is None:
         return model(ids, attention_mask=mask, position_ids=position_ids(mask))[:, response_slice(batch)].float()
     cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
@@ -307,11 +301,11 @@ def response_values(model, batch: Batch, share_prefix: bool = False,
 
 
 def _usable(model, cache: PromptCache | None) -> PromptCache | None:
-    """``cache`` where it may serve (autograd off, a plain decoder with a head), else None. With one,
-    every shared-prefix plan is taken (``shared_prompts``' minimum saving 0): a prompt run now is
-    one its group's later forwards need not run."""
+    """``cache``, bound to ``model``'s weights, where it may serve (autograd off, a plain decoder with a
+    head), else None."""
     if cache is None or torch.is_grad_enabled() or not (hasattr(model, "head") and hasattr(model, "model")):
         return None
+    cache.bind(model)
     return cache
 
 
@@ -345,7 +339,7 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     tr = batch["response_mask"].shape[1]
     targets = ids[:, -tr:]  # (B, Tr)
     cache = _usable(model, prompt_cache)
-    plan = shared_prompts(batch, 0.0 if cache else SHARED_PREFIX_MIN_SAVING) if share_prefix else None
+    plan = shared_prompts(batch, cache) if share_prefix else None
     where = None
     if plan is not None:  # (M, V) at the real response positions ``where``
         cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
