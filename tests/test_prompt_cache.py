@@ -12,7 +12,13 @@ from types import SimpleNamespace
 
 import torch
 
-from fuseflow.workers.common import PromptCache, _prompt_key, prompt_cache, response_logprobs, response_values
+from fuseflow.workers.common import (
+    PromptCache,
+    _prompt_cache_keys,
+    prompt_cache,
+    response_logprobs,
+    response_values,
+)
 from test_response_logprobs import GROUPED, PROMPT_LENS, _batch, _grouped_rows, _model, _naive, _value_model
 
 # Calls over rows of GROUPED: prompts 0 and 1 run in the first; the second runs prompt 2 and is
@@ -117,8 +123,10 @@ def test_training_forwards_and_unusual_prompts_do_not_use_the_cache():
     cache = PromptCache()
     response_logprobs(model, _batch(rows), 1.0, share_prefix=True, prompt_cache=cache)  # autograd on
     assert cache.hits == cache.misses == 0
-    assert _prompt_key([-1, -1, 4, 5]) == (4, 5)
-    assert _prompt_key([-1, 4, -1, 5]) is None  # real tokens not one run: positions would not be 0, 1, ...
+    ids = torch.tensor([[0, 0, 4, 5], [7, 8, 9, 6]])
+    assert _prompt_cache_keys(ids, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])) == [(4, 5), (7, 8, 9, 6)]
+    # Real tokens not one run at the end: positions would not be 0, 1, ...
+    assert _prompt_cache_keys(ids, torch.tensor([[0, 1, 0, 1], [1, 1, 1, 1]])) is None
 
 
 def test_a_worker_has_a_cache_only_when_it_shares_prompts():
@@ -127,3 +135,4 @@ def test_a_worker_has_a_cache_only_when_it_shares_prompts():
     cache = prompt_cache(worker)
     assert isinstance(cache, PromptCache) and prompt_cache(worker) is cache
     assert prompt_cache(SimpleNamespace(share_prefix=True, sharded=True)) is None
+    assert prompt_cache(SimpleNamespace(share_prefix=True, cache_prompts=False)) is None

@@ -242,6 +242,7 @@ def _register_plugins() -> None:
     from fuseflow.bench.gpu import register as register_gpu
     from fuseflow.bench.lora import register as register_lora
     from fuseflow.bench.recovery import register as register_recovery
+    from fuseflow.bench.scoring import register as register_scoring
     from fuseflow.bench.trl import register as register_trl
     from fuseflow.rollout.bench import register as register_rollout
     from fuseflow.schedule.pipeline.bench import register as register_pipeline
@@ -258,6 +259,7 @@ def _register_plugins() -> None:
     register_gpu(bench_app)
     register_lora(bench_app)
     register_recovery(bench_app)
+    register_scoring(bench_app)
 
 
 _register_plugins()

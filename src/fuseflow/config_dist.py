@@ -83,6 +83,10 @@ class ScheduleConfig(Section):
     # unpadded, against the prompt's cached keys and values, where that saves at least a quarter of the
     # tokens (GRPO's groups, long-tailed responses; fuseflow.workers.common.shared_prompts).
     shared_prefix: bool = True
+    # With shared_prefix, a worker keeps the keys and values of the prompts its scoring forwards ran
+    # (under the same weights, up to 256 MB) and later forwards of the step are given them instead of
+    # running the prompt again (fuseflow.workers.common.PromptCache; `fuseflow bench scoring`).
+    prompt_cache: bool = True
     rollout_workers: int = Field(1, ge=1)  # engines that generate side by side (one thread each); elastic's most
     # elastic: the cheapest replica count whose step is at most (1 + elastic_slowdown) x the fastest count's.
     elastic_slowdown: float = Field(0.1, ge=0.0)

@@ -125,9 +125,11 @@ def _load_optimizer(worker, ckpt: Path | None) -> None:
 
 
 def _batching(worker, cfg) -> None:
-    """How ``worker`` cuts its forwards: padded tokens per micro-batch and shared prompts (``schedule``)."""
+    """How ``worker`` cuts its forwards: padded tokens per micro-batch, shared prompts and the prompt
+    cache (``schedule``)."""
     worker.token_budget = cfg.schedule.token_budget
     worker.share_prefix = cfg.schedule.shared_prefix
+    worker.cache_prompts = cfg.schedule.prompt_cache
 
 
 def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:

@@ -93,8 +93,9 @@ def shared_prompts(batch: Batch, cache: PromptCache | None = None) -> tuple[torc
         return None
     uniq, inverse = torch.unique(_prompt_keys(batch), dim=0, return_inverse=True)
     u = run = uniq.shape[0]
-    if cache is not None:  # prompts to run
-        run -= sum(cache.get(_prompt_key(r), touch=False) is not None for r in uniq.tolist())
+    keys = None if cache is None else _prompt_cache_keys(uniq, uniq >= 0)
+    if keys:  # prompts to run
+        run -= sum(cache.get(k, touch=False) is not None for k in keys)
     packed = int(batch["attention_mask"][:, tp + 1:].sum())  # response tokens that predict a next one
     if run * tp + packed > (1 - SHARED_PREFIX_MIN_SAVING) * b * (tp + tr - 1):
         return None
@@ -164,8 +165,9 @@ class PromptCache:
 
 
 def prompt_cache(worker) -> PromptCache | None:
-    """``worker``'s prompt cache (made on first use) when its forwards share prompts (``shares_prefix``)."""
-    if not shares_prefix(worker):
+    """``worker``'s prompt cache (made on first use) when its forwards share prompts (``shares_prefix``)
+    and it keeps them (``cache_prompts``, from schedule.prompt_cache)."""
+    if not (shares_prefix(worker) and getattr(worker, "cache_prompts", True)):
         return None
     cache = worker.__dict__.get("prompt_cache")
     if cache is None:
@@ -173,12 +175,13 @@ def prompt_cache(worker) -> PromptCache | None:
     return cache
 
 
-def _prompt_key(row: list[int]) -> tuple[int, ...] | None:
-    """A left-padded prompt row of ``_prompt_keys`` (-1 at padding) -> its real tokens; None when its
-    real tokens are not one run at the end (positions would not be 0, 1, ...)."""
-    start = next((i for i, t in enumerate(row) if t >= 0), len(row))
-    key = tuple(row[start:])
-    return None if -1 in key else key
+def _prompt_cache_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, ...]] | None:
+    """Cache keys (each prompt's real tokens) of (U, Tp) left-padded prompts; None when some prompt's
+    real tokens are not one run at the end (its positions would not be 0, 1, ...)."""
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):  # a real token followed by padding
+        return None
+    tp = ids.shape[1]
+    return [tuple(row[tp - n:]) for row, n in zip(ids.tolist(), mask.sum(1).tolist(), strict=True)]
 
 
 def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
@@ -191,8 +194,8 @@ def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int
 
     tp = ids.shape[1] - tr
     pmask = mask[first, :tp]  # (U, Tp)
-    keys = [_prompt_key(r) for r in torch.where(pmask.bool(), ids[first, :tp], -1).tolist()]
-    if any(k is None for k in keys):
+    keys = _prompt_cache_keys(ids[first, :tp], pmask)
+    if keys is None:
         return None
     found = [cache.get(k) for k in keys]
     given = [u for u, e in enumerate(found) if e is not None]
@@ -223,7 +226,7 @@ def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int
         k_run, v_run = torch.stack([k for k, _ in recorded]), torch.stack([v for _, v in recorded])
         run_last = run_last.clone()  # not a view of every kept position's state
         for j, u in enumerate(run):  # views into this forward's (layers, U_run, H_kv, Tp, hd) blocks
-            n = int(pmask[u].sum())
+            n = len(keys[u])
             cache.put(keys[u], _PromptEntry(k_run[:, j, :, tp - n:], v_run[:, j, :, tp - n:], run_last[j]))
     return model.head(h), where
 
