@@ -156,6 +156,7 @@ class PromptCache:
         return entry
 
     def put(self, key: tuple[int, ...], entry: _PromptEntry) -> None:
+        """Keep ``entry`` for prompt ``key``, dropping the least recently used beyond ``max_bytes``."""
         if key in self.entries:
             self.nbytes -= self.entries.pop(key).nbytes
         self.entries[key] = entry
@@ -187,8 +188,8 @@ def _prompt_cache_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int,
 def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
                            inverse: torch.Tensor, cache: PromptCache):
     """``_packed_inputs``' forward with the prompts ``cache`` holds left out (their keys and values given)
-    and the others added to it: the outputs at ``where`` and ``where``; None when a prompt is not
-    left-padded into one run (the caller runs the plain packed forward).
+    and the others added to it: the head's outputs at the kept positions and those positions' ``where``;
+    None when a prompt is not left-padded into one run (the caller runs the plain packed forward).
     """
     from fuseflow.models.llama import KVCache
 
