@@ -86,6 +86,13 @@ def shared_prompts(batch: Batch, cache: PromptCache | None = None) -> tuple[torc
     holds (bound to the model) cost nothing, and then a single row may be planned too. A saving comes from
     shared prompts (GRPO's groups), from response padding (a long-tailed batch), or both.
     """
+    plan = _shared_plan(batch, cache)
+    return None if plan is None else plan[:2]
+
+
+def _shared_plan(batch: Batch, cache: PromptCache | None):
+    """``shared_prompts``' plan plus the U prompts' cache keys (``_prompt_cache_keys``; None without a
+    cache or when a prompt's real tokens are not one run)."""
     ids = batch["input_ids"]
     b, tr = ids.shape[0], batch["response_mask"].shape[1]
     tp = ids.shape[1] - tr
@@ -101,7 +108,7 @@ def shared_prompts(batch: Batch, cache: PromptCache | None = None) -> tuple[torc
         return None
     rows = torch.arange(b, device=ids.device)
     first = torch.full((u,), b, dtype=torch.long, device=ids.device).scatter_reduce(0, inverse, rows, reduce="amin")
-    return first, inverse
+    return first, inverse, keys
 
 
 # A prompt cache holds at most this many bytes of keys and values (least recently used dropped first).
@@ -148,7 +155,7 @@ class PromptCache:
             self.entries.clear()
             self.nbytes, self._weights = 0, weights
 
-    def get(self, key: tuple[int, ...] | None, touch: bool = True) -> _PromptEntry | None:
+    def get(self, key: tuple[int, ...], touch: bool = True) -> _PromptEntry | None:
         """The entry of prompt ``key`` (its real tokens), marked as just used unless ``touch`` is off."""
         entry = self.entries.get(key)
         if entry is not None and touch:
@@ -186,18 +193,14 @@ def _prompt_cache_keys(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int,
 
 
 def _cached_prefix_outputs(model, ids: torch.Tensor, mask: torch.Tensor, tr: int, first: torch.Tensor,
-                           inverse: torch.Tensor, cache: PromptCache):
+                           inverse: torch.Tensor, keys: list[tuple[int, ...]], cache: PromptCache):
     """``_packed_inputs``' forward with the prompts ``cache`` holds left out (their keys and values given)
-    and the others added to it: the head's outputs at the kept positions and those positions' ``where``;
-    None when a prompt is not left-padded into one run (the caller runs the plain packed forward).
+    and the others added to it: the head's outputs at the kept positions and those positions' ``where``.
+    ``keys``: the cache keys of the U prompts of ``first``.
     """
     from fuseflow.models.llama import KVCache
 
     tp = ids.shape[1] - tr
-    pmask = mask[first, :tp]  # (U, Tp)
-    keys = _prompt_cache_keys(ids[first, :tp], pmask)
-    if keys is None:
-        return None
     found = [cache.get(k) for k in keys]
     given = [u for u, e in enumerate(found) if e is not None]
     run = [u for u, e in enumerate(found) if e is None]
@@ -292,15 +295,11 @@ def response_values(model, batch: Batch, share_prefix: bool = False,
     ids, mask = batch["input_ids"], batch["attention_mask"]
     tr = batch["response_mask"].shape[1]
     cache = _usable(model, prompt_cache)
-    plan = shared_prompts(batch, cache) if share_prefix else None
+    plan = _shared_plan(batch, cache) if share_prefix else None
     if plan is None:
         return model(ids, attention_mask=mask, position_ids=position_ids(mask))[:, response_slice(batch)].float()
-    cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
-    if cached:
-        values, where = cached
-    else:
-        inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
-        values = model(**inputs, values_to_keep=wanted)[0]  # (M,)
+    values, where = _packed_outputs(model, ids, mask, tr, plan, cache,
+                                    lambda inputs, wanted: model(**inputs, values_to_keep=wanted)[0])  # (M,)
     return values.new_zeros(ids.shape[0], tr).index_put(where, values)
 
 
@@ -311,6 +310,17 @@ def _usable(model, cache: PromptCache | None) -> PromptCache | None:
         return None
     cache.bind(model)
     return cache
+
+
+def _packed_outputs(model, ids, mask, tr: int, plan, cache: PromptCache | None, forward):
+    """The head's outputs (M, ...) at a shared-prefix ``plan``'s kept positions, and their ``where``:
+    through ``cache`` when it serves and the plan has keys, else ``forward(inputs, wanted)`` over
+    ``_packed_inputs``."""
+    first, inverse, keys = plan
+    if cache is not None and keys is not None:
+        return _cached_prefix_outputs(model, ids, mask, tr, first, inverse, keys, cache)
+    inputs, wanted, where = _packed_inputs(ids, mask, tr, first, inverse)
+    return forward(inputs, wanted), where
 
 
 def shares_prefix(worker) -> bool:
@@ -343,16 +353,12 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     tr = batch["response_mask"].shape[1]
     targets = ids[:, -tr:]  # (B, Tr)
     cache = _usable(model, prompt_cache)
-    plan = shared_prompts(batch, cache) if share_prefix else None
+    plan = _shared_plan(batch, cache) if share_prefix else None
     where = None
     if plan is not None:  # (M, V) at the real response positions ``where``
-        cached = cache and _cached_prefix_outputs(model, ids, mask, tr, *plan, cache)
-        if cached:
-            logits, where = cached
-            logits = logits.float()
-        else:
-            inputs, wanted, where = _packed_inputs(ids, mask, tr, *plan)
-            logits = model(**inputs, logits_to_keep=wanted).logits[0].float()  # (M, V) at the real response tokens
+        logits, where = _packed_outputs(model, ids, mask, tr, plan, cache,
+                                        lambda inputs, wanted: model(**inputs, logits_to_keep=wanted).logits[0])
+        logits = logits.float()
         targets = targets[where]
     else:
         logits = model(ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=tr + 1).logits
