@@ -13,7 +13,9 @@ one), ``samples_per_second`` is samples over the summed wall time, ``busy_fracti
 over steps of the workers' busy fraction from the trace. ``cpu_seconds_per_step`` is the process's
 CPU time per timed step (all threads) and ``cpu_utilisation`` that over wall time times the cores
 this process may use: the trace's busy fraction misses the intra-op threads that ``sequential``
-trains on. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
+trains on. ``machine_busy`` is the share of those cores that was busy over the timed steps whoever used
+them (Ray's daemons, the OS and other users too): its gap to ``cpu_utilisation`` is CPU the run's own
+processes could not have had, its gap to 1 is idle time. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
 gain over ``sequential`` on those cores: sequential's mean step over (least CPU-seconds per step /
 cores), the mean as in samples/s. ``worker_seconds`` is the mean per timed step of
 ``time/rollout_worker_seconds``: the reserved modes hold every rollout worker for the whole step,
@@ -88,11 +90,13 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
     tr = RLTrainer(cfg, work_dir / mode.replace("+", "_"), log=log)
     walls, cpus, rewards, busy, migrated, stale, held, syncs, roles = [], [], [], [], [], [], [], [], []
     clock = _cpu_clock(tr)
+    machine = []  # the cores' (busy, all) seconds at each step's end
     try:
         last, last_cpu = time.perf_counter(), clock()
         for step in range(1, steps + 1):
             m = tr.step(step)
             now, now_cpu = time.perf_counter(), clock()
+            machine.append(machine_times())
             walls.append(now - last)
             cpus.append(now_cpu - last_cpu)
             last, last_cpu = now, now_cpu
@@ -117,7 +121,44 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n,
             "weight_sync_seconds_per_mb_per_step": syncs,
-            "roles_busy_seconds_per_step": statistics.mean(roles[1:] if len(roles) > 1 else roles)}
+            "roles_busy_seconds_per_step": statistics.mean(roles[1:] if len(roles) > 1 else roles),
+            **({"machine_busy": b} if len(machine) > 1 and (b := machine_busy(machine[0], machine[-1])) is not None
+               else {})}
+
+
+def machine_times() -> tuple[float, float]:
+    """CPU seconds so far of the cores this process may run on, ``(busy, all)``, whoever used them (psutil's
+    per-CPU times). Idle and I/O wait are not busy; time stolen by the hypervisor is (the cores were not
+    free for this run). Guest time is left out: the kernel already counts it in user time."""
+    import psutil
+
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return busy_and_total(psutil.cpu_times(percpu=True), cores)
+
+
+def busy_and_total(per_cpu: list, cores: set[int] | None) -> tuple[float, float]:
+    """``(busy, all)`` seconds summed over the CPUs numbered in ``cores`` (None: all) of psutil's per-CPU
+    times (named tuples with ``idle`` and, on Linux, ``iowait``, ``guest`` and ``guest_nice``)."""
+    busy = total = 0.0
+    for i, t in enumerate(per_cpu):
+        if cores is not None and i not in cores:
+            continue
+        every = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        busy += every - t.idle - getattr(t, "iowait", 0.0)
+        total += every
+    return busy, total
+
+
+def machine_busy(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The busy share of the cores between two ``machine_times`` readings (None if no time passed). Beside
+    ``cpu_utilisation`` (the run's own processes) it shows what the rest took: Ray's daemons, the OS, other
+    users of a shared machine.
+
+    >>> machine_busy((10.0, 40.0), (25.0, 60.0))
+    0.75
+    """
+    spent = after[1] - before[1]
+    return (after[0] - before[0]) / spent if spent > 0 else None
 
 
 def _cpu_clock(trainer):
@@ -371,7 +412,9 @@ def register(bench_app) -> None:
             console.print(f"{name:12s} {r['samples_per_second']:.2f} samples/s  x{r['speedup_vs_sequential']:.2f}  "
                           f"step {r['step_seconds']:.1f}s  busy {r['busy_fraction']:.2f}  "
                           f"worker-s {r['worker_seconds']:.2f} (x{r['worker_seconds_vs_sequential']:.2f})  "
-                          f"cpu {r['cpu_utilisation']:.2f} of {result['cores']} cores", soft_wrap=True)
+                          f"cpu {r['cpu_utilisation']:.2f} of {result['cores']} cores"
+                          + (f" (all processes {r['machine_busy']:.2f})" if "machine_busy" in r else ""),
+                          soft_wrap=True)
         if "speedup_bound" in result:
             console.print(f"any schedule of the least CPU work above: at most x{result['speedup_bound']:.2f} "
                           "over sequential", soft_wrap=True)
