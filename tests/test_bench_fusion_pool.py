@@ -16,8 +16,17 @@ def _run(bound, fused, elastic_ws=None):
     return {"benchmark": "ppo_sort_fusion", "speedup_bound": bound, "modes": modes}
 
 
+def test_pool_runs_matches_its_docstring_example():
+    import doctest
+
+    from fuseflow.bench import fusion_pool
+
+    result = doctest.testmod(fusion_pool)
+    assert result.attempted >= 1 and result.failed == 0
+
+
 def test_pool_runs_takes_each_repeat_over_its_own_runs_bound():
-    from fuseflow.bench.fusion import pool_runs
+    from fuseflow.bench.fusion_pool import pool_runs
 
     out = pool_runs([_run(1.2, [1.1, 1.2, 1.05]), _run(1.5, [1.2, 1.3], elastic_ws=0.4)])
     fused = out["modes"]["fused"]
@@ -39,7 +48,7 @@ def test_pool_runs_takes_each_repeat_over_its_own_runs_bound():
 
 
 def test_pool_runs_refuses_what_it_cannot_pool():
-    from fuseflow.bench.fusion import pool_runs
+    from fuseflow.bench.fusion_pool import pool_runs
 
     with pytest.raises(ValueError, match="no runs"):
         pool_runs([])

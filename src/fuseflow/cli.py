@@ -239,6 +239,7 @@ def _register_plugins() -> None:
     # Subsystems own their commands; the CLI only mounts them.
     from fuseflow.bench.controller import register as register_controller
     from fuseflow.bench.fusion import register as register_fusion
+    from fuseflow.bench.fusion_pool import register as register_fusion_pool
     from fuseflow.bench.gpu import register as register_gpu
     from fuseflow.bench.lora import register as register_lora
     from fuseflow.bench.recovery import register as register_recovery
@@ -256,6 +257,7 @@ def _register_plugins() -> None:
     register_trl(bench_app)
     register_controller(bench_app)
     register_fusion(bench_app)
+    register_fusion_pool(bench_app)
     register_gpu(bench_app)
     register_lora(bench_app)
     register_recovery(bench_app)

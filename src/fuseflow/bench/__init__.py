@@ -9,6 +9,7 @@ are what every one of them records and writes.
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -22,6 +23,41 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_times() -> tuple[float, float]:
+    """CPU seconds so far of the cores this process may run on, ``(busy, all)``, whoever used them (psutil's
+    per-CPU times). Idle and I/O wait are not busy; time stolen by the hypervisor is (the cores were not
+    free for this run). Guest time is left out: the kernel already counts it in user time."""
+    import psutil
+
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return busy_and_total(psutil.cpu_times(percpu=True), cores)
+
+
+def busy_and_total(per_cpu: list, cores: set[int] | None) -> tuple[float, float]:
+    """``(busy, all)`` seconds summed over the CPUs numbered in ``cores`` (None: all) of psutil's per-CPU
+    times (named tuples with ``idle`` and, on Linux, ``iowait``, ``guest`` and ``guest_nice``)."""
+    busy = total = 0.0
+    for i, t in enumerate(per_cpu):
+        if cores is not None and i not in cores:
+            continue
+        every = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        busy += every - t.idle - getattr(t, "iowait", 0.0)
+        total += every
+    return busy, total
+
+
+def machine_busy(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The busy share of the cores between two ``machine_times`` readings (None if no time passed). Beside
+    ``cpu_utilisation`` (the run's own processes) it shows what the rest took: Ray's daemons, the OS, other
+    users of a shared machine.
+
+    >>> machine_busy((10.0, 40.0), (25.0, 60.0))
+    0.75
+    """
+    spent = after[1] - before[1]
+    return (after[0] - before[0]) / spent if spent > 0 else None
 
 
 def write_result(out: Path | None, result: dict) -> None:

@@ -56,7 +56,7 @@ import torch
 from fuseflow.config import load_config
 from fuseflow.schedule.modes import available_cores
 
-from . import cpu_name, write_result
+from . import cpu_name, machine_busy, machine_times, write_result
 from .trl import BENCH_OVERRIDES, QUICK_OVERRIDES, bench_config, run_trl_comparison
 
 MODES = ("sequential", "fused", "async", "fused+async", "elastic", "fused+elastic")
@@ -124,41 +124,6 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             "roles_busy_seconds_per_step": statistics.mean(roles[1:] if len(roles) > 1 else roles),
             **({"machine_busy": b} if len(machine) > 1 and (b := machine_busy(machine[0], machine[-1])) is not None
                else {})}
-
-
-def machine_times() -> tuple[float, float]:
-    """CPU seconds so far of the cores this process may run on, ``(busy, all)``, whoever used them (psutil's
-    per-CPU times). Idle and I/O wait are not busy; time stolen by the hypervisor is (the cores were not
-    free for this run). Guest time is left out: the kernel already counts it in user time."""
-    import psutil
-
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    return busy_and_total(psutil.cpu_times(percpu=True), cores)
-
-
-def busy_and_total(per_cpu: list, cores: set[int] | None) -> tuple[float, float]:
-    """``(busy, all)`` seconds summed over the CPUs numbered in ``cores`` (None: all) of psutil's per-CPU
-    times (named tuples with ``idle`` and, on Linux, ``iowait``, ``guest`` and ``guest_nice``)."""
-    busy = total = 0.0
-    for i, t in enumerate(per_cpu):
-        if cores is not None and i not in cores:
-            continue
-        every = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-        busy += every - t.idle - getattr(t, "iowait", 0.0)
-        total += every
-    return busy, total
-
-
-def machine_busy(before: tuple[float, float], after: tuple[float, float]) -> float | None:
-    """The busy share of the cores between two ``machine_times`` readings (None if no time passed). Beside
-    ``cpu_utilisation`` (the run's own processes) it shows what the rest took: Ray's daemons, the OS, other
-    users of a shared machine.
-
-    >>> machine_busy((10.0, 40.0), (25.0, 60.0))
-    0.75
-    """
-    spent = after[1] - before[1]
-    return (after[0] - before[0]) / spent if spent > 0 else None
 
 
 def _cpu_clock(trainer):
@@ -372,50 +337,6 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     return out
 
 
-def pool_runs(runs: list[dict]) -> dict:
-    """Several ``run_fusion`` results (their JSON) as one sample: every repeat's ratio to the ``sequential`` run
-    of its repeat, and its room over its own run's ``speedup_bound``, pooled per mode with the mean and a
-    two-sided 95% t-interval. One run's repeats share a machine phase; runs at other times of day add the
-    phases a verdict must hold across.
-
-    >>> seq = {"speedup_vs_sequential": 1.0}
-    >>> one = {"benchmark": "ppo_sort_fusion", "speedup_bound": 1.2,
-    ...        "modes": {"sequential": seq, "fused": {"speedup_vs_sequential_runs": [1.1, 1.2]}}}
-    >>> two = {"benchmark": "ppo_sort_fusion", "speedup_bound": 1.5,
-    ...        "modes": {"sequential": seq, "fused": {"speedup_vs_sequential_runs": [1.2]}}}
-    >>> pool_runs([one, two])["modes"]["fused"]["room_captured_per_repeat"]
-    [0.5, 1.0, 0.4]
-    """
-    if not runs:
-        raise ValueError("no runs to pool")
-    modes: dict[str, dict] = {}
-    for i, run in enumerate(runs):
-        if run.get("benchmark") != "ppo_sort_fusion" or "modes" not in run:
-            raise ValueError(f"run {i + 1} is not a `fuseflow bench fusion` result")
-        if "speedup_bound" not in run or "sequential" not in run["modes"]:
-            raise ValueError(f"run {i + 1} has no sequential mode, so no ratios or bound to pool")
-        bound = run["speedup_bound"]
-        for name, r in run["modes"].items():
-            if name == "sequential":
-                continue
-            m = modes.setdefault(name, {"runs": 0, "speedup_vs_sequential_per_repeat": [],
-                                        "room_captured_per_repeat": [], "worker_seconds_vs_sequential_per_run": []})
-            m["runs"] += 1
-            ratios = r.get("speedup_vs_sequential_runs") or [r["speedup_vs_sequential"]]
-            m["speedup_vs_sequential_per_repeat"] += ratios
-            if bound > 1.0:
-                m["room_captured_per_repeat"] += [room_captured(x, bound) for x in ratios]
-            if "worker_seconds_vs_sequential" in r:
-                m["worker_seconds_vs_sequential_per_run"].append(round(r["worker_seconds_vs_sequential"], 6))
-    for m in modes.values():
-        for key, values in (("speedup_vs_sequential", m["speedup_vs_sequential_per_repeat"]),
-                            ("room_captured", m["room_captured_per_repeat"])):
-            if (ci := mean_interval(values)) is not None:
-                m[f"{key}_mean"], m[f"{key}_ci95"] = ci[0], [ci[1], ci[2]]
-    return {"benchmark": "ppo_sort_fusion_pooled", "runs": len(runs),
-            "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs], "modes": modes}
-
-
 def _room_of_the_repeats(r: dict) -> str:
     """The room from the mean of a mode's repeats and its 95% interval, as printed after its median run's
     room; empty for a mode without them (one repeat)."""
@@ -477,33 +398,4 @@ def register(bench_app) -> None:
             console.print(f"weight sync {result['weight_sync_seconds_per_mb']:.4f} s/MB per replica", soft_wrap=True)
         if "speedup_vs_trl" in result:
             console.print(f"speedup_vs_trl {result['speedup_vs_trl']:.2f}x", soft_wrap=True)
-        write_result(out, result)
-
-    @bench_app.command("fusion-pool")
-    def bench_fusion_pool(files: list[Path] = typer.Argument(..., help="JSON files that `bench fusion -o` wrote."),
-                          out: Path = typer.Option(None, "--out", "-o", help="Write the pooled JSON here.")) -> None:
-        """Pool the repeats of several `bench fusion` runs: each mode's mean ratio and room, with 95% intervals."""
-        import json
-
-        from fuseflow.console import console, fail
-
-        try:
-            runs = [json.loads(f.read_text()) for f in files]
-            result = pool_runs(runs)
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a JSONDecodeError is a ValueError
-            fail(f"cannot pool {', '.join(map(str, files))}: {e}")
-        console.print(f"{result['runs']} runs, bounds {', '.join(f'x{b:.2f}' for b in result['speedup_bounds'])}",
-                      soft_wrap=True)
-        for name, m in result["modes"].items():
-            line = f"{name:12s} {len(m['speedup_vs_sequential_per_repeat'])} repeats"
-            if "speedup_vs_sequential_mean" in m:
-                lo, hi = m["speedup_vs_sequential_ci95"]
-                line += f"  x{m['speedup_vs_sequential_mean']:.3f} ({lo:.3f}-{hi:.3f})"
-            if "room_captured_mean" in m:
-                lo, hi = m["room_captured_ci95"]
-                line += f"  room {m['room_captured_mean']:.2f} ({lo:.2f} to {hi:.2f})"
-            if m["worker_seconds_vs_sequential_per_run"]:
-                ws = m["worker_seconds_vs_sequential_per_run"]
-                line += f"  worker-s x{min(ws):.2f}-{max(ws):.2f}"
-            console.print(line, soft_wrap=True)
         write_result(out, result)

@@ -1,0 +1,46 @@
+"""The machine's CPU readings every benchmark may record (``fuseflow.bench``: ``machine_times``)."""
+
+import pytest
+
+
+def test_machine_busy_matches_its_docstring_example():
+    import doctest
+
+    from fuseflow import bench
+
+    result = doctest.testmod(bench)
+    assert result.attempted >= 1 and result.failed == 0
+
+
+def test_busy_and_total_by_hand():
+    """Idle and I/O wait are not busy, steal is, guest time is not counted twice; only the given cores."""
+    from collections import namedtuple
+
+    from fuseflow.bench import busy_and_total
+
+    T = namedtuple("T", "user nice system idle iowait irq softirq steal guest guest_nice")
+    cpu0 = T(user=3.0, nice=0.5, system=1.0, idle=4.0, iowait=1.0, irq=0.25, softirq=0.25, steal=1.0, guest=2.0,
+             guest_nice=0.0)  # all = 13.0 - 2.0 guest = 11.0; busy = 11.0 - 4.0 - 1.0 = 6.0
+    cpu1 = T(1.0, 0.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # all 10.0, busy 2.0
+    assert busy_and_total([cpu0, cpu1], None) == (8.0, 21.0)
+    assert busy_and_total([cpu0, cpu1], {1}) == (2.0, 10.0)
+    Mac = namedtuple("Mac", "user nice system idle")  # no iowait or guest fields (macOS)
+    assert busy_and_total([Mac(1.0, 0.0, 1.0, 2.0)], None) == (2.0, 4.0)
+
+
+def test_machine_times_count_every_process_on_this_process_cores():
+    """Busy core-seconds grow by at least what this process burns; idle ones make up the rest."""
+    import time
+
+    from fuseflow.bench import machine_busy, machine_times
+    from fuseflow.schedule.modes import available_cores
+
+    before, t0, c0 = machine_times(), time.perf_counter(), time.process_time()
+    while time.process_time() - c0 < 0.5:  # one core busy for 0.5 s
+        pass
+    after, wall, burnt = machine_times(), time.perf_counter() - t0, time.process_time() - c0
+    assert 0 <= after[0] - before[0] <= after[1] - before[1]
+    # The cores' time is wall time on each of them (to the kernel's 10 ms ticks).
+    assert after[1] - before[1] == pytest.approx(wall * available_cores(), abs=0.05 * available_cores() + 0.05)
+    assert machine_busy(before, after) >= burnt / (wall * available_cores()) - 0.05
+    assert machine_busy(after, after) is None  # no time passed
