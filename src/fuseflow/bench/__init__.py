@@ -57,7 +57,10 @@ def machine_busy(before: tuple[float, float], after: tuple[float, float]) -> flo
     0.75
     """
     spent = after[1] - before[1]
-    return (after[0] - before[0]) / spent if spent > 0 else None
+    if spent <= 0:
+        return None
+    # Busy time is part of all time; the two deltas of large float sums may round past each other.
+    return min(1.0, max(0.0, (after[0] - before[0]) / spent))
 
 
 def write_result(out: Path | None, result: dict) -> None:
