@@ -436,8 +436,6 @@ class Pooled(Strategy):
             except Exception:  # noqa: BLE001 - the run is ending; its samples are not used
                 pass
             self.prefetch = None
-        if self.pool.threaded:
-            self.pool.close()
 
 
 class Fused(Pooled):

@@ -20,7 +20,6 @@ as two processes; forward+backward alone on 32 x 100 tokens reached 1.95x as two
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from concurrent.futures import Future
 import torch
 
 from fuseflow.controller.group import WorkerFailure, first_line
-from fuseflow.controller.priority import GIL_SWITCH_SECONDS, set_background
+from fuseflow.controller.priority import set_background
 from fuseflow.policy.migration import MigrationPlan, PendingSample, WorkerBudget
 from fuseflow.rollout.base import RolloutRequest, Sample
 from fuseflow.rollout.engine import Engine, EngineConfig
@@ -114,10 +113,6 @@ class RolloutPool:
         if n < 1:
             raise ValueError(f"schedule.rollout_workers must be >= 1, got {n}")
         self.model, self.config, self.tracer = model, config, tracer
-        # Background workers must not hold the GIL long while training waits for it (``GIL_SWITCH_SECONDS``);
-        # ``close`` puts the process's interval back.
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         # make_engine: another backend with the engine's interface (rollout.backend=vllm); default fuseflow's.
         self.engines = [make_engine(model) if make_engine else Engine(model, config, tokenizer=tokenizer)
                         for _ in range(n)]
@@ -219,10 +214,6 @@ class RolloutPool:
                 return
             for th in threads:
                 th.join()
-
-    def close(self) -> None:
-        """The run is over (its workers joined): the process gets its own GIL switch interval back."""
-        sys.setswitchinterval(self._switch_interval)
 
     def _start(self, i: int) -> None:
         with self._live_lock:
