@@ -16,8 +16,7 @@ from .fusion import mean_interval, room_captured
 def pool_runs(runs: list[dict]) -> dict:
     """Several ``run_fusion`` results (their JSON) as one sample: every repeat's ratio to the ``sequential`` run
     of its repeat, and its room over its own run's ``speedup_bound``, pooled per mode with the mean and a
-    two-sided 95% t-interval. One run's repeats share a machine phase; runs at other times of day add the
-    phases a verdict must hold across.
+    two-sided 95% t-interval (why pool: the module's docstring).
 
     >>> seq = {"speedup_vs_sequential": 1.0}
     >>> one = {"benchmark": "ppo_sort_fusion", "speedup_bound": 1.2,
