@@ -259,6 +259,8 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
         assert r["samples_per_second"] > 0 and 0 < r["busy_fraction"] <= 1 and len(r["reward_per_step"]) == 2
         # Process CPU time over wall time x cores: positive, and no more than the cores allow.
         assert r["cpu_seconds_per_step"] > 0 and 0 < r["cpu_utilisation"] <= 1.02
+        # Local: every thread is this process's, so the split by process holds the controller alone.
+        assert r["cpu_seconds_per_step_by_process"] == {"controller": pytest.approx(r["cpu_seconds_per_step"])}
         # Every process's use of the same cores over the same steps: at least the run's own (to the ticks).
         assert r["cpu_utilisation"] - 0.05 <= r["machine_busy"] <= 1.0
     least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
@@ -491,3 +493,32 @@ def test_an_early_start_whose_weight_sync_fails_fails_the_next_step_not_this_one
     assert (step, cursor) == (3, 12)  # a resume draws step 3's prompts again
     with pytest.raises(RuntimeError, match="receive_weights"):
         result.result()
+
+
+def test_bench_cpu_clock_splits_the_run_by_process_kind():
+    """The bench's CPU clock counts a role's process and a replica's apart from this one, each from /proc."""
+    import subprocess
+    import time
+    import types
+
+    from fuseflow.bench.fusion import _cpu_clock
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\nprint(1, flush=True)\n" \
+           "import sys; sys.stdin.read()"
+    role = subprocess.Popen([sys.executable, "-c", burn.format(0.6)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    replica = subprocess.Popen([sys.executable, "-c", burn.format(0.2)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        trainer = types.SimpleNamespace(cluster=types.SimpleNamespace(pids={"default": [role.pid]}),
+                                        replicas=types.SimpleNamespace(pids=[replica.pid]))
+        clock = _cpu_clock(trainer)
+        role.stdout.readline(), replica.stdout.readline()  # both have burnt their CPU and now wait
+        out = clock()
+        assert set(out) == {"controller", "roles", "replicas"}
+        assert 0.6 <= out["roles"] <= 2.0 and 0.2 <= out["replicas"] <= out["roles"] - 0.2  # to the clock tick
+        assert out["controller"] == pytest.approx(time.process_time(), abs=0.05)
+        local = _cpu_clock(types.SimpleNamespace(cluster=object(), replicas=None))()
+        assert set(local) == {"controller"}
+    finally:
+        for p in (role, replica):
+            p.kill()
+            p.wait()

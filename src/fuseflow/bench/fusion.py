@@ -27,7 +27,8 @@ run's noise floor on a shared machine).
 
 ``backend="ray"`` runs every mode (``sequential`` included) with ``workers`` rollout replica processes
 on a pool of their own (``placement.rollout``), the roles in one more process; CPU seconds then sum
-the controller's and every worker process's (``/proc``), and ``weight_sync_seconds_per_mb`` is the
+the controller's and every worker process's (``/proc``; ``cpu_seconds_per_step_by_process`` splits
+them into ``controller``, ``roles`` and ``replicas``), and ``weight_sync_seconds_per_mb`` is the
 mean over all modes' syncs of the broadcast's seconds per MB sent to each replica. On Ray every mode
 also reports ``roles_busy_seconds_per_step``: the seconds per timed step the roles' worker processes
 spent in calls (``time/worker_compute``: updates, critic values, the reward, and whatever log-probs the
@@ -98,7 +99,7 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
             now, now_cpu = time.perf_counter(), clock()
             machine.append(machine_times())
             walls.append(now - last)
-            cpus.append(now_cpu - last_cpu)
+            cpus.append({k: v - last_cpu[k] for k, v in now_cpu.items()})
             last, last_cpu = now, now_cpu
             rewards.append(m["reward/mean"])
             busy.append(_workers_busy(m, workers))
@@ -113,10 +114,13 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
         tr.close()
     n = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
     timed = walls[1:] if len(walls) > 1 else walls
-    cpu = sum(cpus[1:] if len(cpus) > 1 else cpus)
+    timed_cpus = cpus[1:] if len(cpus) > 1 else cpus
+    by_kind = {k: sum(c[k] for c in timed_cpus) / len(timed) for k in timed_cpus[0]}
+    cpu = sum(by_kind.values()) * len(timed)
     return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
             "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
-            "cpu_seconds_per_step": cpu / len(timed), "cpu_utilisation": cpu / (sum(timed) * available_cores()),
+            "cpu_seconds_per_step": cpu / len(timed), "cpu_seconds_per_step_by_process": by_kind,
+            "cpu_utilisation": cpu / (sum(timed) * available_cores()),
             "worker_seconds": statistics.mean(held[1:] if len(held) > 1 else held),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n,
@@ -127,21 +131,25 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
 
 
 def _cpu_clock(trainer):
-    """CPU seconds so far of the run's processes: this one, plus (on Ray) every role and replica process."""
-    pids = [p for ps in getattr(trainer.cluster, "pids", {}).values() for p in ps]
-    if trainer.replicas is not None:
-        pids += trainer.replicas.pids
-    tick = os.sysconf("SC_CLK_TCK") if pids else 1
+    """CPU seconds so far of the run's processes by kind: ``controller`` (this one), and on Ray ``roles``
+    (every role's process) and ``replicas`` (every rollout replica's), read from ``/proc``."""
+    kinds = {"roles": [p for ps in getattr(trainer.cluster, "pids", {}).values() for p in ps],
+             "replicas": list(trainer.replicas.pids) if trainer.replicas is not None else []}
+    tick = os.sysconf("SC_CLK_TCK")
 
-    def clock() -> float:
-        total = time.process_time()
-        for pid in pids:  # utime + stime (fields 14 and 15 of /proc/PID/stat), in clock ticks
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / tick
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
+    def clock() -> dict[str, float]:
+        out = {"controller": time.process_time()}
+        for kind, pids in kinds.items():
+            if not pids:
+                continue
+            out[kind] = 0.0
+            for pid in pids:  # utime + stime (fields 14 and 15 of /proc/PID/stat), in clock ticks
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    out[kind] += (int(fields[11]) + int(fields[12])) / tick
+                except (OSError, IndexError, ValueError):
+                    pass
+        return out
 
     return clock
 
