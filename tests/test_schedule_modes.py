@@ -243,6 +243,8 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
                                                        strict=True)]
     for r in out["modes"].values():  # the reported run is the lower median of the repeats
         assert len(r["samples_per_second_runs"]) == 2
+        assert r["cpu_seconds_per_step_by_process"] in [  # the median run's own split is one of the repeats'
+            {k: pytest.approx(v, abs=1e-4) for k, v in x.items()} for x in r["cpu_seconds_per_step_by_process_runs"]]
         assert round(r["samples_per_second"], 2) == min(r["samples_per_second_runs"])
         # From the unrounded figures: within what the runs' rounding to 0.01 samples/s allows.
         lo, hi = sorted(r["samples_per_second_runs"])

@@ -37,7 +37,7 @@ run one at a time, so no schedule on that placement makes a step shorter than th
 ``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
 ``speedup_bound`` (which assumes the least CPU work spreads over every core). ``room_captured`` per mode is
 ``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. With ``repeats > 1`` every mode also reports the mean
-of its per-repeat ratios (``speedup_vs_sequential_runs``) as ``speedup_vs_sequential_mean`` with a two-sided
+of its per-repeat ratios (``speedup_vs_sequential_runs``; each repeat's CPU split as ``cpu_seconds_per_step_by_process_runs``) as ``speedup_vs_sequential_mean`` with a two-sided
 95% t-interval ``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them
 (the run's bound held fixed). ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
@@ -293,7 +293,9 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     for m, rs in runs.items():
         ordered = sorted(rs, key=lambda r: r["samples_per_second"])
         results[m] = ordered[(len(ordered) - 1) // 2] | {
-            "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs]}
+            "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs],
+            "cpu_seconds_per_step_by_process_runs": [{k: round(v, 4) for k, v in r["cpu_seconds_per_step_by_process"].items()}
+                                                     for r in rs]}
         if (spread := repeat_spread([r["samples_per_second"] for r in rs])) is not None:
             results[m]["repeat_spread"] = spread
     base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
