@@ -104,6 +104,7 @@ class _Pool:
 
     def __init__(self, pending=None, busy=2):
         self._pending, self.busy, self.migrated_with, self.checked, self.asked = pending or {}, busy, None, 0, 0
+        self.queried = 0  # calls of ``pending`` (on Ray a round trip to every replica)
 
     def check_alive(self, step):
         self.checked += 1
@@ -112,6 +113,7 @@ class _Pool:
         return self.busy
 
     def pending(self):
+        self.queried += 1
         return self._pending
 
     def budgets(self):
@@ -134,6 +136,21 @@ def test_receive_takes_every_sample_and_migrates_once_in_the_tail():
     # At 3 of 6 left (threshold 0.5) both workers still decode: one migration, never a second ask after it.
     assert migrated == 1 and pool.asked == 1 and len(pool.migrated_with.moves) == 1
     assert set(last) == {0, 1}
+
+
+def test_receive_stops_asking_once_one_worker_holds_every_unfinished_sample():
+    """The workers run ahead of the samples the controller has taken: by its count both still decode, but
+    the first answer shows one worker holding all that is left. Samples only leave workers during a
+    generation, so no later answer can free one: one ask, no migration, where every later sample
+    used to ask again (a round trip to every replica each, in the step's tail)."""
+    arrived = queue.Queue()
+    for w, uid in [(0, 0), (1, 1), (0, 2), (1, 3), (0, 4), (1, 5)]:
+        arrived.put((w, _sample(uid, 5)))
+    pool = _Pool({0: [], 1: [PendingSample(8, 10, 20, 30)]})
+    feed, _, _ = _feed()
+    done, migrated, _ = receive(pool, 1, 6, arrived, feed, [3, 3], threshold=0.5)
+    assert [x.uid for x in done] == list(range(6))
+    assert pool.queried == 1 and migrated == 0 and pool.asked == 0
 
 
 def test_receive_fails_in_one_line_when_the_workers_stop():

@@ -113,6 +113,7 @@ def receive(pool, step: int, n: int, arrived: queue.Queue, feed: Feed, left: lis
     Returns the samples in finishing order, how many migrated and each worker's last finishing time."""
     done: list[Sample] = []
     migrated, last_finish = 0, {}
+    settled = False  # an answer showed fewer than two workers decoding: no migration can free one now
     if feed.gate is not None:
         feed.gate.on_open(lambda: arrived.put(None))  # wakes the loop below
     deadline = time.perf_counter() + WAIT_S
@@ -141,10 +142,15 @@ def receive(pool, step: int, n: int, arrived: queue.Queue, feed: Feed, left: lis
         feed.add(smp)
         # Migration frees a worker only while two or more hold unfinished samples: otherwise asking them
         # (a round trip to every replica process, each answered between its engine steps) is skipped.
-        if (threshold is not None and not migrated and n - len(done) <= trigger_count(n, threshold)
+        # The workers run ahead of ``left`` (samples in flight to this loop): once an answer shows fewer
+        # than two decoding, none will again in this generation (samples only leave a worker), so the
+        # loop stops asking instead of asking again for every sample still in flight.
+        if (threshold is not None and not migrated and not settled and n - len(done) <= trigger_count(n, threshold)
                 and sum(k > 0 for k in left) > 1):
             pending, budgets = pool.pending(), pool.budgets()
-            if should_migrate(pending, budgets, n, threshold):
+            if sum(bool(v) for v in pending.values()) < 2:
+                settled = True
+            elif should_migrate(pending, budgets, n, threshold):
                 migrated = pool.migrate(plan_migration(pending, budgets), step)
     return done, migrated, last_finish
 
