@@ -37,9 +37,10 @@ run one at a time, so no schedule on that placement makes a step shorter than th
 ``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
 ``speedup_bound`` (which assumes the least CPU work spreads over every core). ``room_captured`` per mode is
 ``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. With ``repeats > 1`` every mode also reports the mean
-of its per-repeat ratios (``speedup_vs_sequential_runs``; each repeat's CPU split as ``cpu_seconds_per_step_by_process_runs``) as ``speedup_vs_sequential_mean`` with a two-sided
-95% t-interval ``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them
-(the run's bound held fixed). ``speedup_vs_trl`` comes from
+of its per-repeat ratios (``speedup_vs_sequential_runs``; each repeat's CPU split as
+``cpu_seconds_per_step_by_process_runs``) as ``speedup_vs_sequential_mean`` with a two-sided 95% t-interval
+``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them (the run's bound
+held fixed). ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -115,12 +116,12 @@ def run_mode(mode: str, workers: int, steps: int, quick: bool, work_dir: Path, e
     n = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
     timed = walls[1:] if len(walls) > 1 else walls
     timed_cpus = cpus[1:] if len(cpus) > 1 else cpus
-    by_kind = {k: sum(c[k] for c in timed_cpus) / len(timed) for k in timed_cpus[0]}
-    cpu = sum(by_kind.values()) * len(timed)
+    by_kind = {k: sum(c[k] for c in timed_cpus) / len(timed) for k in timed_cpus[0]}  # CPU-s per timed step
+    cpu = sum(by_kind.values())
     return {"step_seconds": statistics.median(timed), "samples_per_second": n * len(timed) / sum(timed),
             "busy_fraction": statistics.mean(busy[1:] if len(busy) > 1 else busy),
-            "cpu_seconds_per_step": cpu / len(timed), "cpu_seconds_per_step_by_process": by_kind,
-            "cpu_utilisation": cpu / (sum(timed) * available_cores()),
+            "cpu_seconds_per_step": cpu, "cpu_seconds_per_step_by_process": by_kind,
+            "cpu_utilisation": cpu * len(timed) / (sum(timed) * available_cores()),
             "worker_seconds": statistics.mean(held[1:] if len(held) > 1 else held),
             "step_wall_seconds": [round(x, 3) for x in walls], "reward_per_step": rewards,
             "migrated_samples_per_step": migrated, "staleness_mean_per_step": stale, "samples_per_step": n,
@@ -294,8 +295,8 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
         ordered = sorted(rs, key=lambda r: r["samples_per_second"])
         results[m] = ordered[(len(ordered) - 1) // 2] | {
             "samples_per_second_runs": [round(r["samples_per_second"], 2) for r in rs],
-            "cpu_seconds_per_step_by_process_runs": [{k: round(v, 4) for k, v in r["cpu_seconds_per_step_by_process"].items()}
-                                                     for r in rs]}
+            "cpu_seconds_per_step_by_process_runs": [
+                {k: round(v, 4) for k, v in r["cpu_seconds_per_step_by_process"].items()} for r in rs]}
         if (spread := repeat_spread([r["samples_per_second"] for r in rs])) is not None:
             results[m]["repeat_spread"] = spread
     base = results.get("sequential", next(iter(results.values())))["samples_per_second"]
