@@ -1,4 +1,5 @@
-"""The machine's CPU readings every benchmark may record (``fuseflow.bench``: ``machine_times``)."""
+"""The machine's CPU readings every benchmark may record (``fuseflow.bench``: ``machine_times``), and
+`bench fusion`'s CPU clock of the run's own processes."""
 
 import pytest
 
@@ -54,3 +55,33 @@ def test_machine_busy_is_a_share_even_when_float_sums_round_past_it():
 
     busy = machine_busy((41091.630000000005, 69067.48000000001), (41093.16000000001, 69069.01000000001))
     assert busy == 1.0
+
+
+def test_bench_cpu_clock_splits_the_run_by_process_kind():
+    """The bench's CPU clock counts a role's process and a replica's apart from this one, each from /proc."""
+    import subprocess
+    import sys
+    import time
+    import types
+
+    from fuseflow.bench.fusion import _cpu_clock
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\nprint(1, flush=True)\n" \
+           "import sys; sys.stdin.read()"
+    role = subprocess.Popen([sys.executable, "-c", burn.format(0.6)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    replica = subprocess.Popen([sys.executable, "-c", burn.format(0.2)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        trainer = types.SimpleNamespace(cluster=types.SimpleNamespace(pids={"default": [role.pid]}),
+                                        replicas=types.SimpleNamespace(pids=[replica.pid]))
+        clock = _cpu_clock(trainer)
+        role.stdout.readline(), replica.stdout.readline()  # both have burnt their CPU and now wait
+        out = clock()
+        assert set(out) == {"controller", "roles", "replicas"}
+        assert 0.6 <= out["roles"] <= 2.0 and 0.2 <= out["replicas"] <= out["roles"] - 0.2  # to the clock tick
+        assert out["controller"] == pytest.approx(time.process_time(), abs=0.05)
+        local = _cpu_clock(types.SimpleNamespace(cluster=object(), replicas=None))()
+        assert set(local) == {"controller"}
+    finally:
+        for p in (role, replica):
+            p.kill()
+            p.wait()

@@ -496,31 +496,3 @@ def test_an_early_start_whose_weight_sync_fails_fails_the_next_step_not_this_one
     with pytest.raises(RuntimeError, match="receive_weights"):
         result.result()
 
-
-def test_bench_cpu_clock_splits_the_run_by_process_kind():
-    """The bench's CPU clock counts a role's process and a replica's apart from this one, each from /proc."""
-    import subprocess
-    import time
-    import types
-
-    from fuseflow.bench.fusion import _cpu_clock
-
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\nprint(1, flush=True)\n" \
-           "import sys; sys.stdin.read()"
-    role = subprocess.Popen([sys.executable, "-c", burn.format(0.6)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
-    replica = subprocess.Popen([sys.executable, "-c", burn.format(0.2)], stdout=subprocess.PIPE, stdin=subprocess.PIPE)
-    try:
-        trainer = types.SimpleNamespace(cluster=types.SimpleNamespace(pids={"default": [role.pid]}),
-                                        replicas=types.SimpleNamespace(pids=[replica.pid]))
-        clock = _cpu_clock(trainer)
-        role.stdout.readline(), replica.stdout.readline()  # both have burnt their CPU and now wait
-        out = clock()
-        assert set(out) == {"controller", "roles", "replicas"}
-        assert 0.6 <= out["roles"] <= 2.0 and 0.2 <= out["replicas"] <= out["roles"] - 0.2  # to the clock tick
-        assert out["controller"] == pytest.approx(time.process_time(), abs=0.05)
-        local = _cpu_clock(types.SimpleNamespace(cluster=object(), replicas=None))()
-        assert set(local) == {"controller"}
-    finally:
-        for p in (role, replica):
-            p.kill()
-            p.wait()
