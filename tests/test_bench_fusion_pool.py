@@ -31,6 +31,7 @@ def test_pool_runs_takes_each_repeat_over_its_own_runs_bound():
     out = pool_runs([_run(1.2, [1.1, 1.2, 1.05]), _run(1.5, [1.2, 1.3], elastic_ws=0.4)])
     fused = out["modes"]["fused"]
     assert out["runs"] == 2 and out["speedup_bounds"] == [1.2, 1.5] and "sequential" not in out["modes"]
+    assert out["runs_by_modes"] == {"sequential,fused": 1, "sequential,fused,elastic": 1}
     assert fused["runs"] == 2 and fused["speedup_vs_sequential_per_repeat"] == [1.1, 1.2, 1.05, 1.2, 1.3]
     # (1.1-1)/0.2, (1.2-1)/0.2, (1.05-1)/0.2, then over 0.5: 0.4, 0.6
     assert fused["room_captured_per_repeat"] == pytest.approx([0.5, 1.0, 0.25, 0.4, 0.6])
@@ -69,7 +70,11 @@ def test_fusion_pool_cli_writes_json_and_fails_in_one_line(tmp_path):
     out = tmp_path / "pooled.json"
     r = CliRunner().invoke(app, ["bench", "fusion-pool", str(a), str(b), "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert "fused" in r.output and "4 repeats" in r.output
+    assert "fused" in r.output and "4 repeats" in r.output and "runs of different modes" not in r.output
+    c = tmp_path / "c.json"  # a run with elastic as well: its bound may come from elastic's CPU
+    c.write_text(json.dumps(_run(1.5, [1.2], elastic_ws=0.4)))
+    r = CliRunner().invoke(app, ["bench", "fusion-pool", str(a), str(c)])
+    assert r.exit_code == 0 and "runs of different modes: 1 of sequential,fused; 1 of sequential,fused,elastic" in r.output
     assert json.loads(out.read_text())["modes"]["fused"]["room_captured_per_repeat"] == pytest.approx(
         [0.5, 1.0, 0.4, 0.6])
     bad = tmp_path / "bad.json"

@@ -25,6 +25,12 @@ def test_busy_and_total_by_hand():
     cpu1 = T(1.0, 0.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # all 10.0, busy 2.0
     assert busy_and_total([cpu0, cpu1], None) == (8.0, 21.0)
     assert busy_and_total([cpu0, cpu1], {1}) == (2.0, 10.0)
+    # CPU 1 offline: the entries are CPUs 0 and 2 (sysfs lists them as "0,2"), so core 2 is the second entry.
+    from fuseflow.bench import parse_cpu_list
+
+    assert parse_cpu_list("0,2\n") == [0, 2] and parse_cpu_list("0-1,4-5\n") == [0, 1, 4, 5]
+    assert busy_and_total([cpu0, cpu1], {2}, [0, 2]) == (2.0, 10.0)
+    assert busy_and_total([cpu0, cpu1], {1}, [0, 2]) == (0.0, 0.0)
     Mac = namedtuple("Mac", "user nice system idle")  # no iowait or guest fields (macOS)
     assert busy_and_total([Mac(1.0, 0.0, 1.0, 2.0)], None) == (2.0, 4.0)
 

@@ -268,6 +268,7 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     least = min(r["cpu_seconds_per_step"] for r in out["modes"].values())
     mean_step = seq["samples_per_step"] / seq["samples_per_second"]  # what samples/s, and so each ratio, uses
     assert out["speedup_bound"] == pytest.approx(mean_step * out["cores"] / least)
+    assert out["modes"][out["speedup_bound_mode"]]["cpu_seconds_per_step"] == least
     if out["speedup_bound"] > 1:  # the share of the bound's room each mode took
         assert fused["room_captured"] == pytest.approx((fused["speedup_vs_sequential"] - 1)
                                                        / (out["speedup_bound"] - 1), abs=1e-5)

@@ -32,14 +32,42 @@ def machine_times() -> tuple[float, float]:
     import psutil
 
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    return busy_and_total(psutil.cpu_times(percpu=True), cores)
+    return busy_and_total(psutil.cpu_times(percpu=True), cores, online_cpus())
 
 
-def busy_and_total(per_cpu: list, cores: set[int] | None) -> tuple[float, float]:
+def online_cpus() -> list[int] | None:
+    """The numbers of Linux's online CPUs, in order; None where that list cannot be read.
+
+    psutil's per-CPU times follow /proc/stat, which lists only online CPUs: with one taken offline,
+    entry ``i`` is no longer CPU ``i``, and these numbers say which CPU each entry is.
+    """
+    try:
+        return parse_cpu_list(Path("/sys/devices/system/cpu/online").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list (``0-2,5``, as in /sys/devices/system/cpu/online) as CPU numbers.
+
+    >>> parse_cpu_list("0-2,5")
+    [0, 1, 2, 5]
+    """
+    out: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def busy_and_total(per_cpu: list, cores: set[int] | None, numbers: list[int] | None = None) -> tuple[float, float]:
     """``(busy, all)`` seconds summed over the CPUs numbered in ``cores`` (None: all) of psutil's per-CPU
-    times (named tuples with ``idle`` and, on Linux, ``iowait``, ``guest`` and ``guest_nice``)."""
+    times (named tuples with ``idle`` and, on Linux, ``iowait``, ``guest`` and ``guest_nice``). ``numbers``:
+    each entry's CPU number (``online_cpus``); None, or a list of another length, numbers them 0, 1, ..."""
+    if numbers is None or len(numbers) != len(per_cpu):
+        numbers = list(range(len(per_cpu)))
     busy = total = 0.0
-    for i, t in enumerate(per_cpu):
+    for i, t in zip(numbers, per_cpu, strict=True):
         if cores is not None and i not in cores:
             continue
         every = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)

@@ -16,7 +16,8 @@ from .fusion import mean_interval, room_captured
 def pool_runs(runs: list[dict]) -> dict:
     """Several ``run_fusion`` results (their JSON) as one sample: every repeat's ratio to the ``sequential`` run
     of its repeat, and its room over its own run's ``speedup_bound``, pooled per mode with the mean and a
-    two-sided 95% t-interval (why pool: the module's docstring).
+    two-sided 95% t-interval (why pool: the module's docstring). ``runs_by_modes`` counts the runs per set of
+    modes run: a run's bound comes from its own modes, so runs of fewer modes read more room.
 
     >>> seq = {"speedup_vs_sequential": 1.0}
     >>> one = {"benchmark": "ppo_sort_fusion", "speedup_bound": 1.2,
@@ -52,8 +53,12 @@ def pool_runs(runs: list[dict]) -> dict:
                             ("room_captured", m["room_captured_per_repeat"])):
             if (ci := mean_interval(values)) is not None:
                 m[f"{key}_mean"], m[f"{key}_ci95"] = ci[0], [ci[1], ci[2]]
+    sets: dict[str, int] = {}  # each run's modes, how many runs ran them
+    for run in runs:
+        key = ",".join(run["modes"])
+        sets[key] = sets.get(key, 0) + 1
     return {"benchmark": "ppo_sort_fusion_pooled", "runs": len(runs),
-            "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs], "modes": modes}
+            "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs], "runs_by_modes": sets, "modes": modes}
 
 
 def register(bench_app) -> None:
@@ -74,6 +79,11 @@ def register(bench_app) -> None:
             fail(f"cannot pool {', '.join(map(str, files))}: {e}")
         console.print(f"{result['runs']} runs, bounds {', '.join(f'x{b:.2f}' for b in result['speedup_bounds'])}",
                       soft_wrap=True)
+        if len(result["runs_by_modes"]) > 1:
+            console.print("runs of different modes: "
+                          + "; ".join(f"{n} of {k}" for k, n in result["runs_by_modes"].items())
+                          + ". A run's bound is the least CPU of its own modes, so runs without async or the elastic "
+                          "modes read more room", soft_wrap=True)
         for name, m in result["modes"].items():
             line = f"{name:12s} {len(m['speedup_vs_sequential_per_repeat'])} repeats"
             if "speedup_vs_sequential_mean" in m:
