@@ -17,7 +17,7 @@ def test_busy_and_total_by_hand():
     """Idle and I/O wait are not busy, steal is, guest time is not counted twice; only the given cores."""
     from collections import namedtuple
 
-    from fuseflow.bench import busy_and_total
+    from fuseflow.bench import busy_and_total, parse_cpu_list
 
     T = namedtuple("T", "user nice system idle iowait irq softirq steal guest guest_nice")
     cpu0 = T(user=3.0, nice=0.5, system=1.0, idle=4.0, iowait=1.0, irq=0.25, softirq=0.25, steal=1.0, guest=2.0,
@@ -26,8 +26,6 @@ def test_busy_and_total_by_hand():
     assert busy_and_total([cpu0, cpu1], None) == (8.0, 21.0)
     assert busy_and_total([cpu0, cpu1], {1}) == (2.0, 10.0)
     # CPU 1 offline: the entries are CPUs 0 and 2 (sysfs lists them as "0,2"), so core 2 is the second entry.
-    from fuseflow.bench import parse_cpu_list
-
     assert parse_cpu_list("0,2\n") == [0, 2] and parse_cpu_list("0-1,4-5\n") == [0, 1, 4, 5]
     assert busy_and_total([cpu0, cpu1], {2}, [0, 2]) == (2.0, 10.0)
     assert busy_and_total([cpu0, cpu1], {1}, [0, 2]) == (0.0, 0.0)

@@ -17,7 +17,9 @@ trains on. ``machine_busy`` is the share of those cores that was busy over the t
 them (Ray's daemons, the OS and other users too): its gap to ``cpu_utilisation`` is CPU the run's own
 processes could not have had, its gap to 1 is idle time. ``speedup_bound`` is the most any schedule of the least CPU work measured here could
 gain over ``sequential`` on those cores: sequential's mean step over (least CPU-seconds per step /
-cores), the mean as in samples/s. ``worker_seconds`` is the mean per timed step of
+cores), the mean as in samples/s; ``speedup_bound_mode`` names the mode with that least CPU work. A run of
+fewer modes (no ``async`` or elastic ones, which often spend the least) has a lower bound, so its modes show more
+room (docs/ray_rollout.md, session 33). ``worker_seconds`` is the mean per timed step of
 ``time/rollout_worker_seconds``: the reserved modes hold every rollout worker for the whole step,
 ``elastic`` only while a worker has generation or inference to run (RLHFless's billing).
 With ``repeats > 1`` every mode runs
@@ -34,8 +36,6 @@ also reports ``roles_busy_seconds_per_step``: the seconds per timed step the rol
 spent in calls (``time/worker_compute``: updates, critic values, the reward, and whatever log-probs the
 replicas did not take). Where the roles share one process of one slot (the default here), those calls
 run one at a time, so no schedule on that placement makes a step shorter than the least of them:
-``speedup_bound_mode`` names the mode whose CPU set ``speedup_bound``: a run of fewer modes (no ``async`` or elastic
-ones, which often spend the least) has a lower bound, so its modes show more room (docs/ray_rollout.md, session 33).
 ``speedup_bound_placement`` is sequential's mean step over that least busy time, reported beside
 ``speedup_bound`` (which assumes the least CPU work spreads over every core). ``room_captured`` per mode is
 ``(speedup_vs_sequential - 1) / (speedup_bound - 1)``. With ``repeats > 1`` every mode also reports the mean
@@ -170,8 +170,17 @@ def speedup_bound(modes: dict[str, dict], cores: int) -> float | None:
     if "sequential" not in modes:
         return None
     seq = modes["sequential"]
-    least = min(r["cpu_seconds_per_step"] for r in modes.values())
+    least = modes[least_cpu_mode(modes)]["cpu_seconds_per_step"]
     return seq["samples_per_step"] / seq["samples_per_second"] / (least / cores)
+
+
+def least_cpu_mode(modes: dict[str, dict]) -> str:
+    """The mode with the least CPU work per step: the one that sets ``speedup_bound``.
+
+    >>> least_cpu_mode({"sequential": {"cpu_seconds_per_step": 3.6}, "fused": {"cpu_seconds_per_step": 3.2}})
+    'fused'
+    """
+    return min(modes, key=lambda m: modes[m]["cpu_seconds_per_step"])
 
 
 def room_captured(speedup: float, bound: float) -> float | None:
@@ -329,7 +338,7 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     bound = speedup_bound(results, out["cores"])
     if bound is not None:
         out["speedup_bound"] = bound
-        out["speedup_bound_mode"] = min(results, key=lambda m: results[m]["cpu_seconds_per_step"])
+        out["speedup_bound_mode"] = least_cpu_mode(results)
         for r in results.values():
             if (room := room_captured(r["speedup_vs_sequential"], bound)) is not None:
                 r["room_captured"] = room

@@ -7,6 +7,7 @@ repeat with each repeat's room over its own run's bound, give a verdict that hol
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from . import write_result
@@ -53,12 +54,9 @@ def pool_runs(runs: list[dict]) -> dict:
                             ("room_captured", m["room_captured_per_repeat"])):
             if (ci := mean_interval(values)) is not None:
                 m[f"{key}_mean"], m[f"{key}_ci95"] = ci[0], [ci[1], ci[2]]
-    sets: dict[str, int] = {}  # each run's modes, how many runs ran them
-    for run in runs:
-        key = ",".join(run["modes"])
-        sets[key] = sets.get(key, 0) + 1
     return {"benchmark": "ppo_sort_fusion_pooled", "runs": len(runs),
-            "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs], "runs_by_modes": sets, "modes": modes}
+            "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs],
+            "runs_by_modes": dict(Counter(",".join(r["modes"]) for r in runs)), "modes": modes}
 
 
 def register(bench_app) -> None:
