@@ -242,6 +242,7 @@ def _register_plugins() -> None:
     from fuseflow.bench.fusion_pool import register as register_fusion_pool
     from fuseflow.bench.gpu import register as register_gpu
     from fuseflow.bench.lora import register as register_lora
+    from fuseflow.bench.optimizer import register as register_optimizer
     from fuseflow.bench.recovery import register as register_recovery
     from fuseflow.bench.scoring import register as register_scoring
     from fuseflow.bench.trl import register as register_trl
@@ -260,6 +261,7 @@ def _register_plugins() -> None:
     register_fusion_pool(bench_app)
     register_gpu(bench_app)
     register_lora(bench_app)
+    register_optimizer(bench_app)
     register_recovery(bench_app)
     register_scoring(bench_app)
 

@@ -28,7 +28,7 @@ from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.models.source import model_dir
 from fuseflow.tasks import Task
 from fuseflow.tasks.user import function_file
-from fuseflow.workers.common import autocast, clipped_step, response_logprobs, set_lr
+from fuseflow.workers.common import adamw, autocast, clipped_step, response_logprobs, set_lr
 
 SFT_VERSION = 1  # bump when the SFT recipe changes, to invalidate cached models
 
@@ -126,7 +126,7 @@ def train_sft(cfg: Config, task: Task, tokenizer, device, dtype, progress=None) 
                          "or start from a trained model with model.path=DIR and sft.enabled=false")
     s = cfg.sft
     model = new_model(cfg, tokenizer).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = adamw(model.parameters(), s.lr)
     draws = shuffled_batches(len(demos), s.batch_size, cfg.seed)
     eval_prompts = task.eval_prompts()[: s.eval_size]
     curve, best, best_state, since_best = [], -1.0, None, 0

@@ -19,7 +19,7 @@ from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ModelConfig, ValueModel, resolve_device
 from fuseflow.sft import ensure_sft_model, lr_at, shuffled_batches
 from fuseflow.tasks import DataError, make_task
-from fuseflow.workers.common import clipped_step, set_lr
+from fuseflow.workers.common import adamw, clipped_step, set_lr
 
 from .data import load_pairs, split_pairs
 from .model import RewardModel
@@ -101,7 +101,7 @@ def train_reward_model(cfg: Config, out_dir: Path, progress=None, log=print) -> 
     log(f"train-rm: {len(train)} training and {len(heldout)} held-out pairs from {source}")
     model = new_reward_model(cfg, tokenizer, device, dtype, progress, log)
     rm = RewardModel(model.to(device), tokenizer, device, dtype)
-    opt = torch.optim.AdamW(rm.model.parameters(), lr=r.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = adamw(rm.model.parameters(), r.lr)
     draws = shuffled_batches(len(train), r.batch_size, cfg.seed)
     curve, best, best_state = [], -1.0, None
     bar = progress.add_task("train-rm", total=r.steps) if progress else None

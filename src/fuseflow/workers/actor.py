@@ -15,6 +15,7 @@ from fuseflow.data.batch import Batch
 from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 
 from .common import (
+    adamw,
     autocast,
     clipped_step,
     mean_metrics,
@@ -124,8 +125,7 @@ class ActorWorker(TrainableRole, ReferenceWorker):
         self.algo, self.cfg, self.mbs = algo, trainer, trainer.micro_batch_size
         self.policy_loss = get_policy_loss(algo.policy_loss)
         # Only trainable tensors: with LoRA the frozen base has no Adam moments (the optimizer state is the adapters').
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr, weight_decay=trainer.weight_decay,
-                                           betas=(0.9, 0.95))
+        self.optimizer = adamw([p for p in model.parameters() if p.requires_grad], trainer.lr, trainer.weight_decay)
 
     @register("one_to_all", collect="rank_zero")
     def use_rollout(self, rollout: RolloutBackend) -> None:

@@ -10,6 +10,7 @@ from fuseflow.data.batch import Batch
 
 from .actor import minibatches
 from .common import (
+    adamw,
     autocast,
     clipped_step,
     mean_metrics,
@@ -40,8 +41,7 @@ class CriticWorker(TrainableRole):
         self.plain = model if plain is None else plain  # unsharded copy for checkpoints when model is sharded
         self.prefix, self.role = prefix, role
         self.norm_len = norm_len  # the configured max response length, for seq-mean-token-sum-norm
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.critic_lr,
-                                           weight_decay=trainer.weight_decay, betas=(0.9, 0.95))
+        self.optimizer = adamw(model.parameters(), trainer.critic_lr, trainer.weight_decay)
 
     def _values(self, mb: Batch) -> torch.Tensor:
         """(B, Tr) value of the state before each response token; shared prompts run once, responses

@@ -33,7 +33,7 @@ from fuseflow.schedule.pipeline.actions import Plan, validate
 from fuseflow.schedule.pipeline.executor import ROLES, LossFn, ModelStage, StepTimes, run_step
 from fuseflow.schedule.pipeline.procs import Context, StageProcesses
 from fuseflow.schedule.pipeline.stage import build_stage
-from fuseflow.workers.common import clipped_step, position_ids, response_logprobs, response_slice
+from fuseflow.workers.common import adamw, clipped_step, position_ids, response_logprobs, response_slice
 
 MicroBatch = dict[str, Tensor]
 # A model's loss for one step: micro-batches -> LossFn (a picklable callable; it may keep `records`,
@@ -62,7 +62,7 @@ class ModelSpec:
         return cls.from_config(self.config, seed=self.seed)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=(0.9, 0.95))
+        return adamw(params, self.lr, self.weight_decay)
 
 
 def split_micro_batches(batch: Batch, rows: int) -> list[MicroBatch]:
