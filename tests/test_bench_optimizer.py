@@ -85,3 +85,27 @@ def test_bench_optimizer_cli_writes_json(tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads(out.read_text())
     assert r["benchmark"] == "adamw_step" and r["shapes"][0]["shape"] == "tiny"
+
+
+def test_a_checkpoint_resumes_with_the_implementation_that_wrote_it(tmp_path):
+    """The param groups in the checkpoint carry ``fused``: a run resumes with the kernel it trained with (an older
+    checkpoint, written by torch's default loop, keeps the loop), so resume stays exact."""
+    from fuseflow.checkpoint import load_optimizer_state, save_optimizer_state
+
+    def stepped(opt, p, n):
+        for _ in range(n):
+            p.grad = torch.full_like(p, 0.3)
+            opt.step()
+
+    for fused_then in (True, None):
+        p = torch.nn.Parameter(torch.arange(4.0))
+        opt = adamw([p], 0.1) if fused_then else torch.optim.AdamW([p], lr=0.1, weight_decay=0.0, betas=(0.9, 0.95))
+        stepped(opt, p, 2)
+        save_optimizer_state(opt.state_dict(), tmp_path / f"optim_{fused_then}")
+        q = torch.nn.Parameter(p.detach().clone())
+        resumed = adamw([q], 0.1)
+        resumed.load_state_dict(load_optimizer_state(tmp_path / f"optim_{fused_then}"))
+        assert resumed.param_groups[0]["fused"] is fused_then
+        stepped(opt, p, 2)
+        stepped(resumed, q, 2)
+        assert torch.equal(p.detach(), q.detach())  # bitwise: the same kernel before and after the resume
