@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from fuseflow.bench.optimizer import run_optimizer_bench
 from fuseflow.cli import app
-from fuseflow.workers.common import adamw
+from fuseflow.workers.optim import adamw
 
 
 def naive_adamw(p: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float, b1: float, b2: float,

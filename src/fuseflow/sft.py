@@ -28,7 +28,8 @@ from fuseflow.models import CausalLM, ModelConfig
 from fuseflow.models.source import model_dir
 from fuseflow.tasks import Task
 from fuseflow.tasks.user import function_file
-from fuseflow.workers.common import adamw, autocast, clipped_step, response_logprobs, set_lr
+from fuseflow.workers.common import autocast, response_logprobs
+from fuseflow.workers.optim import adamw, clipped_step, set_lr
 
 SFT_VERSION = 1  # bump when the SFT recipe changes, to invalidate cached models
 

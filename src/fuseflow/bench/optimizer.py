@@ -1,4 +1,4 @@
-"""``fuseflow bench optimizer``: fuseflow's AdamW step (``workers.common.adamw``) against torch's default.
+"""``fuseflow bench optimizer``: fuseflow's AdamW step (``workers.optim.adamw``) against torch's default.
 
 Every trainable role, SFT, the reward model and the pipeline stages build their optimizer with
 ``adamw``, which takes torch's fused kernel where every tensor allows it. This bench times one
@@ -54,7 +54,7 @@ def _sync(device: torch.device) -> None:
 def time_steps(shape: str, device: torch.device, steps: int, vocab: int, tick=lambda: None) -> dict:
     """Time ``steps`` AdamW steps per arm (after one untimed step each) over one shape's parameters."""
     from fuseflow.models import CausalLM
-    from fuseflow.workers.common import adamw
+    from fuseflow.workers.optim import adamw
 
     model = CausalLM.from_config(shape_config(shape, vocab), seed=0, device=device)
     base = [p.detach() for p in model.parameters()]

@@ -19,7 +19,7 @@ from fuseflow.data.tokenizer import load_tokenizer
 from fuseflow.models import CausalLM, ModelConfig, ValueModel, resolve_device
 from fuseflow.sft import ensure_sft_model, lr_at, shuffled_batches
 from fuseflow.tasks import DataError, make_task
-from fuseflow.workers.common import adamw, clipped_step, set_lr
+from fuseflow.workers.optim import adamw, clipped_step, set_lr
 
 from .data import load_pairs, split_pairs
 from .model import RewardModel

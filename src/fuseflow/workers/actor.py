@@ -15,19 +15,17 @@ from fuseflow.data.batch import Batch
 from fuseflow.rollout.base import RolloutBackend, RolloutRequest, Sample
 
 from .common import (
-    adamw,
     autocast,
-    clipped_step,
     mean_metrics,
     prompt_cache,
     response_logprobs,
-    set_lr,
     shares_prefix,
     sorted_inference,
     train_microbatches,
 )
 from .evaluation import HeldOut
 from .losses import actor_loss, minibatches
+from .optim import adamw, clipped_step, set_lr
 from .parallel import TrainableRole
 
 

@@ -1,9 +1,7 @@
-"""Shared pieces of the role workers: sample packing, log-probs and the optimizer step."""
+"""Shared pieces of the role workers: sample packing, log-probs, the prompt cache and micro-batching."""
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -377,40 +375,6 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
         logp = full.index_put(where, logp)
         entropy = None if entropy is None else full.index_put(where, entropy)
     return logp if not with_entropy else (logp, entropy)
-
-
-# Devices with torch's fused AdamW kernel that fuseflow runs on.
-FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-
-
-def adamw(params, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW over ``params`` (every role, SFT, the reward model and the pipeline stages use it).
-
-    torch's fused kernel where every tensor is floating point on CPU or CUDA: one pass over each tensor instead
-    of a dozen, 3.5-3.8x faster than torch's default per-tensor loop on one CPU thread at 0.8M-135M parameters
-    (docs/benchmarks.md, "The fused AdamW step"); its results differ from the loop's in the last bits. Elsewhere
-    torch's default implementation.
-    """
-    params = list(params)
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused or None)
-
-
-def clipped_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, role: str) -> float:
-    """Clip gradients and step; a non-finite gradient skips the step with a warning (weights stay intact)."""
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    if not math.isfinite(norm):
-        warnings.warn(f"{role}: non-finite gradient norm ({norm}); skipping this optimizer step", stacklevel=2)
-        optimizer.zero_grad(set_to_none=True)
-        return norm
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
 
 def mean_metrics(records: list[dict]) -> dict[str, float]:

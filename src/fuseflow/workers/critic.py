@@ -10,17 +10,15 @@ from fuseflow.data.batch import Batch
 
 from .actor import minibatches
 from .common import (
-    adamw,
     autocast,
-    clipped_step,
     mean_metrics,
     prompt_cache,
     response_values,
-    set_lr,
     shares_prefix,
     sorted_inference,
     train_microbatches,
 )
+from .optim import adamw, clipped_step, set_lr
 from .parallel import TrainableRole
 
 

@@ -33,7 +33,8 @@ from fuseflow.schedule.pipeline.actions import Plan, validate
 from fuseflow.schedule.pipeline.executor import ROLES, LossFn, ModelStage, StepTimes, run_step
 from fuseflow.schedule.pipeline.procs import Context, StageProcesses
 from fuseflow.schedule.pipeline.stage import build_stage
-from fuseflow.workers.common import adamw, clipped_step, position_ids, response_logprobs, response_slice
+from fuseflow.workers.common import position_ids, response_logprobs, response_slice
+from fuseflow.workers.optim import adamw, clipped_step
 
 MicroBatch = dict[str, Tensor]
 # A model's loss for one step: micro-batches -> LossFn (a picklable callable; it may keep `records`,
