@@ -83,3 +83,21 @@ def test_fusion_pool_cli_writes_json_and_fails_in_one_line(tmp_path):
         r = CliRunner().invoke(app, ["bench", "fusion-pool", *args])
         assert r.exit_code == 2
         assert "cannot pool" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_fusion_pool_prints_no_room_for_elastic(tmp_path):
+    """Elastic's target is worker-seconds, not speed: its room stays in the JSON but is not printed."""
+    from fuseflow.cli import app
+
+    files = []
+    for i, bound in enumerate((1.2, 1.5)):
+        run = _run(bound, [1.1, 1.2], elastic_ws=0.4)
+        run["modes"]["elastic"]["speedup_vs_sequential_runs"] = [0.95, 1.0]
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(run))
+    out = tmp_path / "pooled.json"
+    r = CliRunner().invoke(app, ["bench", "fusion-pool", *map(str, files), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    lines = {line.split()[0]: line for line in r.output.splitlines() if line.startswith(("fused ", "elastic "))}
+    assert "room" in lines["fused"] and "room" not in lines["elastic"] and "worker-s x0.40-0.40" in lines["elastic"]
+    assert "room_captured_mean" in json.loads(out.read_text())["modes"]["elastic"]

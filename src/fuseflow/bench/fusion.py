@@ -198,6 +198,17 @@ def bound_caveat(modes_run) -> str | None:
             "every mode")
 
 
+def has_room_target(mode: str) -> bool:
+    """Whether a mode's room is worth printing: not ``sequential`` (the baseline) nor ``elastic``, which keeps
+    sequential's order and releases idle replicas (its target is worker-seconds at a speed within 10% of
+    sequential's). Their rooms stay in the JSON.
+
+    >>> [m for m in MODES if has_room_target(m)]
+    ['fused', 'async', 'fused+async', 'fused+elastic']
+    """
+    return mode not in ("sequential", "elastic")
+
+
 def room_captured(speedup: float, bound: float) -> float | None:
     """The share of the gain the bound leaves room for that a mode took: ``(speedup - 1) / (bound - 1)``
     (issue 17's targets are stated in it); None when the bound leaves no room.
@@ -422,7 +433,7 @@ def register(bench_app) -> None:
             console.print(f"any schedule of the least CPU work above ({result['speedup_bound_mode']}'s): at most "
                           f"x{result['speedup_bound']:.2f} over sequential", soft_wrap=True)
             rooms = [f"{n} {r['room_captured']:.2f}{_room_of_the_repeats(r)}" for n, r in result["modes"].items()
-                     if n != "sequential" and "room_captured" in r]
+                     if has_room_target(n) and "room_captured" in r]
             if rooms:
                 console.print(f"share of that room captured: {', '.join(rooms)}", soft_wrap=True)
             if (caveat := bound_caveat(result["modes"])) is not None:

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import write_result
-from .fusion import mean_interval, room_captured
+from .fusion import has_room_target, mean_interval, room_captured
 
 
 def pool_runs(runs: list[dict]) -> dict:
@@ -80,14 +80,14 @@ def register(bench_app) -> None:
         if len(result["runs_by_modes"]) > 1:
             console.print("runs of different modes: "
                           + "; ".join(f"{n} of {k}" for k, n in result["runs_by_modes"].items())
-                          + ". A run's bound is the least CPU of its own modes, so runs without async or the elastic "
-                          "modes read more room", soft_wrap=True)
+                          + ". A run's bound is the least CPU of its own modes, so a run of fewer modes may read more "
+                          "room", soft_wrap=True)
         for name, m in result["modes"].items():
             line = f"{name:12s} {len(m['speedup_vs_sequential_per_repeat'])} repeats"
             if "speedup_vs_sequential_mean" in m:
                 lo, hi = m["speedup_vs_sequential_ci95"]
                 line += f"  x{m['speedup_vs_sequential_mean']:.3f} ({lo:.3f}-{hi:.3f})"
-            if "room_captured_mean" in m:
+            if "room_captured_mean" in m and has_room_target(name):
                 lo, hi = m["room_captured_ci95"]
                 line += f"  room {m['room_captured_mean']:.2f} ({lo:.2f} to {hi:.2f})"
             if m["worker_seconds_vs_sequential_per_run"]:
