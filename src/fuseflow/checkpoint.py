@@ -53,6 +53,8 @@ def load_optimizer_state(prefix: Path) -> dict:
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's random state for a checkpoint: torch's CPU and every CUDA device's generator as tensors
+    (for safetensors), Python's ``random`` as plain JSON."""
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -62,6 +64,7 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
+    """Restore what ``rng_state`` returned, so a resumed run draws the numbers the uninterrupted one would."""
     torch.set_rng_state(tensors["torch"])
     if torch.cuda.is_available():
         states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
@@ -192,6 +195,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def read_state(ckpt: Path) -> dict:
+    """The trainer state saved in ``ckpt`` (``state.json``), with the random state restored from it as a side effect."""
     state = read_json(ckpt / "state.json")
     set_rng_state(load_file(str(ckpt / "rng.safetensors")), state.pop("rng"))
     return state

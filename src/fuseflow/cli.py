@@ -270,6 +270,7 @@ _register_plugins()
 
 
 def main() -> None:
+    """The ``fuseflow`` console script."""
     app(prog_name="fuseflow")
 
 

@@ -360,6 +360,7 @@ class Config(Section):
         return resolve_placement(self.pools, placement, self.role_dp())
 
     def to_yaml(self) -> str:
+        """The resolved config as YAML, in field order: what a run saves as ``config.yaml`` and ``fuseflow config show`` prints."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     def digest(self, *sections: str) -> str:
@@ -373,6 +374,7 @@ class Config(Section):
 
 
 def preset_names() -> list[str]:
+    """Names of the presets shipped in ``fuseflow.presets`` (``fuseflow train --preset NAME``), sorted."""
     return sorted(p.name[:-5] for p in resources.files("fuseflow.presets").iterdir() if p.name.endswith(".yaml"))
 
 

@@ -111,12 +111,15 @@ class ScheduleConfig(Section):
 
     @property
     def fused(self) -> bool:
+        """True for ``fused``, ``fused+async`` and ``fused+elastic``: inference streams during generation."""
         return self.mode.split("+")[0] == "fused"
 
     @property
     def asynchronous(self) -> bool:
+        """True for ``async`` and ``fused+async``: the next step generates while this one trains."""
         return "async" in self.mode.split("+")
 
     @property
     def elastic(self) -> bool:
+        """True for ``elastic`` and ``fused+elastic``: replicas are chosen per step and released when idle."""
         return "elastic" in self.mode.split("+")

@@ -191,6 +191,8 @@ class LagrangeMultiplier:
         self.value, self.lr, self.limit = float(init), float(lr), float(limit)
 
     def update(self, mean_cost: float) -> float:
+        """One dual ascent step on the step's mean cost: ``value += lr * (mean_cost - limit)``, kept at 0 or above.
+        A NaN cost leaves it unchanged. Returns the new value."""
         if mean_cost == mean_cost:  # a NaN cost leaves the multiplier where it is
             self.value = max(0.0, self.value + self.lr * (mean_cost - self.limit))
         return self.value

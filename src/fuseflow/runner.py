@@ -170,6 +170,8 @@ def summarize(run_dir: Path, evals: list[dict], cfg: Config, sft_curve: list[dic
 
 
 def print_summary(console: Console, s: dict, run_dir: Path) -> None:
+    """Print a finished run's summary (``summary.json``'s ``s``) as a table: accuracy before and after, rewards,
+    throughput, any extra held-out evaluations and the seconds per stage, then where the run's files are."""
     table = Table(title=f"fuseflow run summary ({s['algorithm']} on {s['task']})")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -98,6 +98,8 @@ def inputs_digest(paths: list[Path]) -> str:
 
 
 def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> Batch:
+    """A training batch of (prompt, response) pairs: prompts left-padded to ``max_prompt_len``, responses cut to
+    ``max_response_len`` with the end-of-turn token appended, the loss on response tokens only (``response_mask``)."""
     prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs], max_prompt_len)
     resp_ids = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     end = stop_token_ids(tokenizer)[0]  # a chat model ends its turn with the template's end-of-turn token
@@ -107,6 +109,8 @@ def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> 
 
 
 def new_model(cfg: Config, tokenizer) -> CausalLM:
+    """The model SFT starts from: the pretrained ``model.path`` when set, otherwise a fresh ``model.size`` model
+    sized to the tokenizer and seeded by ``cfg.seed``."""
     if cfg.model.path:
         return CausalLM.from_pretrained(model_dir(cfg))
     mcfg = ModelConfig.preset(cfg.model.size, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -61,6 +61,7 @@ class PromptStream:
         self._perm: tuple[int, list[int]] | None = None  # (epoch, its order): drawn once per epoch
 
     def take(self, k: int) -> list[int]:
+        """The next ``k`` prompt indices, advancing ``cursor``; an epoch boundary starts the next epoch's order."""
         out = []
         for _ in range(k):
             epoch, i = divmod(self.cursor, self.n)
@@ -166,6 +167,7 @@ class RLTrainer:
             self.log(f"Resumed from {ckpt} (step {self.start_step})")  # the workers loaded models and optimizers
 
     def trainable_groups(self) -> list[WorkerGroup]:
+        """The worker groups whose weights train and are checkpointed: the actor, then each critic."""
         return [self.actor, *self.critics]
 
     def worker_seconds(self) -> float:
@@ -234,6 +236,8 @@ class RLTrainer:
         return self.strategy.make_experience(step)
 
     def rollout_metrics(self, batch: Batch) -> dict[str, float]:
+        """The step's rollout statistics from its batch: reward (and accuracy where the task has one), response and
+        prompt lengths, the stop fraction, the k3 KL to the reference and the train/rollout log-prob mismatch."""
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         prompt_lengths = batch["attention_mask"].sum(-1) - lengths  # (B,)
@@ -291,6 +295,8 @@ class RLTrainer:
         return path
 
     def close(self) -> None:
+        """End the run's work: the strategy's pools and threads, any pipeline, the trace and metrics files, then the
+        cluster's workers. Call it once, also after a failure."""
         self.strategy.close()
         for pipeline in (self.pipeline, self.pipelined_rollout):
             if pipeline is not None:

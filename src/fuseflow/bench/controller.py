@@ -121,6 +121,7 @@ def _machine() -> str:
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench controller`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("controller")

@@ -396,6 +396,7 @@ def _room_of_the_repeats(r: dict) -> str:
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench fusion`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("fusion")

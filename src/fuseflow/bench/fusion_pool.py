@@ -60,6 +60,7 @@ def pool_runs(runs: list[dict]) -> dict:
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench fusion-pool`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("fusion-pool")

@@ -103,6 +103,8 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def device_info(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a result was measured on: device type and name, dtype, torch/transformers/Python versions,
+    and the GPU count, CUDA version and memory (CUDA) or the core and torch-thread counts (CPU)."""
     import transformers
 
     info = {"type": device.type, "dtype": str(dtype).split(".")[-1], "torch": torch.__version__,
@@ -230,6 +232,8 @@ def table(result: dict):
 
 
 def summary_line(result: dict) -> str:
+    """One line on the console for the ``calibrate`` part of ``bench gpu``'s result: the fitted efficiencies
+    and the measured against predicted median step, or why calibration did not run."""
     c = result["calibrate"]
     if not c.get("ran"):
         return f"calibrate: not run ({c.get('reason')})"

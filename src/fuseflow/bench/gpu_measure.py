@@ -30,6 +30,7 @@ def sync(device: torch.device) -> None:
 
 
 def reset_peak(device: torch.device) -> None:
+    """Start a new phase for ``peak_memory_gb`` (CUDA's peak counters; nothing to reset on CPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -44,6 +45,7 @@ def peak_memory_gb(device: torch.device) -> dict:
 
 
 def free(device: torch.device) -> None:
+    """Drop the last phase's tensors before the next one: a garbage collection, and on CUDA the cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -193,6 +193,7 @@ def run_lora_bench(model: str | None = None, rows: int = 16, prompt_len: int = 6
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench lora`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("lora")

@@ -108,6 +108,7 @@ def run_optimizer_bench(shapes: list[str], steps: int, device_spec: str, vocab: 
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench optimizer`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("optimizer")

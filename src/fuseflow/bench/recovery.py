@@ -148,6 +148,7 @@ def run_recovery_bench(overrides: list[str] | None = None, steps: int = 200, kil
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench recovery`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("recovery")

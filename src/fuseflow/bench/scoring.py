@@ -123,6 +123,7 @@ def run_scoring_bench(preset: str = "sort", mode: str = "fused", step: int = 2, 
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench scoring`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("scoring")

@@ -277,6 +277,7 @@ def run_trl_comparison(cfg: Config, threads: int = 1, work_dir: str | Path | Non
 
 
 def register(bench_app) -> None:
+    """Add ``fuseflow bench trl`` to the ``bench`` Typer app."""
     import typer
 
     @bench_app.command("trl")

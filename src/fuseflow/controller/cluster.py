@@ -21,11 +21,20 @@ from .worker import DistInfo
 
 class Cluster(Protocol):
     def group(self, role: str, cls: type, builder: Callable[[DistInfo], object],
-              placed_as: str | None = None) -> WorkerGroup: ...
+              placed_as: str | None = None) -> WorkerGroup:
+        """Build ``role`` with ``builder`` (called with each rank's ``DistInfo`` where that rank runs) and return
+        the ``WorkerGroup`` that calls it; ``cls`` is the worker class whose registered methods the group offers,
+        ``placed_as`` the placement entry to follow when ``role`` has none of its own."""
+        ...
 
-    def rollout_replicas(self, builder: Callable[[], object]): ...
+    def rollout_replicas(self, builder: Callable[[], object]):
+        """The rollout replica processes (a ``ReplicaSet``; ``builder()`` makes each one's engine where it runs),
+        or None when the rollout has no pool of its own (always None for ``local``)."""
+        ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop every worker process the cluster started and free what it reserved (nothing to stop for ``local``)."""
+        ...
 
 
 class LocalCluster:
@@ -33,6 +42,9 @@ class LocalCluster:
 
     def group(self, role: str, cls: type, builder: Callable[[DistInfo], object],
               placed_as: str | None = None) -> LocalGroup:
+        """Build ``role``'s one worker in this process (rank 0 of 1, no process group) and wrap it in a
+        ``LocalGroup``; ``placed_as`` is ignored (nothing is placed). Raises TypeError when ``builder`` does not
+        return a ``cls``."""
         info = DistInfo()
         worker = builder(info)
         if not isinstance(worker, cls):
@@ -46,6 +58,7 @@ class LocalCluster:
         return None
 
     def shutdown(self) -> None:
+        """Nothing to stop: the workers live in this process, and no process, port or placement group was started."""
         pass
 
 

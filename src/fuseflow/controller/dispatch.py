@@ -38,6 +38,7 @@ class SplitPlan:
 
     @property
     def world_size(self) -> int:
+        """Number of ranks the rows are split over (one entry of ``parts`` and of ``pad`` each)."""
         return len(self.parts)
 
 

@@ -115,9 +115,13 @@ class Future:
     withdraw: Callable[[], bool] | None = None
 
     def result(self) -> Any:
+        """Block until every rank of the call has finished and return the result its ``collect`` rule put
+        together (each backend implements it; on Ray a failed rank raises ``WorkerFailure``)."""
         raise NotImplementedError
 
     def done(self) -> bool:
+        """Whether every rank of the call has finished (or failed), without waiting: ``result()`` then returns
+        or raises at once."""
         raise NotImplementedError
 
 
@@ -128,9 +132,11 @@ class Done(Future):
         self.value = value
 
     def result(self) -> Any:
+        """The collected value of a call that already ran (eagerly, in ``LocalGroup._submit``); never blocks."""
         return self.value
 
     def done(self) -> bool:
+        """Always True: the call ran before this future was made."""
         return True
 
 
@@ -144,6 +150,8 @@ class GroupMethod:
         return self.future(*args, **kwargs).result()
 
     def future(self, *args, **kwargs) -> Future:
+        """Start the call on the group's ranks and return its ``Future`` without waiting for the result (the
+        in-process backend runs it before returning, as a ``Done``)."""
         return self.group.call(self.name, self.spec, args, kwargs)
 
     def __repr__(self) -> str:

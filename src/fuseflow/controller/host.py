@@ -54,6 +54,8 @@ class WorkerHost:
         self._withdrawn: set[int] = set()
 
     def ready(self) -> int:
+        """This process's pid, answered once the host is constructed: the controller waits for it (within
+        ``ray.start_timeout_s``) to know the pool started, and keeps the pids."""
         return os.getpid()
 
     def address(self) -> tuple[str, int]:
@@ -66,6 +68,9 @@ class WorkerHost:
         return ray.util.get_node_ip_address(), port
 
     def init_process_group(self, addr: str, port: int, timeout_s: float) -> None:
+        """Join the pool's torch.distributed group (NCCL on GPU, gloo on CPU) as rank ``self.rank``, meeting at rank
+        0's ``addr:port`` over TCP; ``timeout_s`` (seconds) bounds the rendezvous and every later collective, so a
+        lost peer raises instead of hanging."""
         import torch.distributed as dist
 
         dist.init_process_group("nccl" if self.device == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
@@ -139,6 +144,7 @@ class WorkerHost:
         return torch.get_num_threads()
 
     def shutdown(self) -> None:
+        """Destroy the pool's process group if this host joined one; a no-op otherwise (safe to call twice)."""
         if self.distributed:
             import torch.distributed as dist
 

@@ -35,6 +35,7 @@ class PoolPlan:
 
     @property
     def size(self) -> int:
+        """Worker processes in the pool, ``nodes * workers_per_node`` (its ranks 0 to size - 1)."""
         return self.nodes * self.workers_per_node
 
 
@@ -47,9 +48,13 @@ class Placement:
     dp: dict[str, int]
 
     def cpus_needed(self) -> float:
+        """Ray CPU slots all pools together reserve (each pool's ``size * cpus_per_worker``); a local Ray started
+        for the run gets at least this many."""
         return sum(p.size * p.cpus_per_worker for p in self.pools.values())
 
     def gpus_needed(self) -> float:
+        """GPUs all pools together reserve (each pool's ``size * gpus_per_worker``, fractions allowed); a local
+        Ray started for the run gets this many, rounded up."""
         return sum(p.size * p.gpus_per_worker for p in self.pools.values())
 
 

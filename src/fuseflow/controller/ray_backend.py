@@ -330,12 +330,16 @@ class RayFuture(Future):
         self._value: tuple | None = None
 
     def done(self) -> bool:
+        """Whether every rank's call has finished (or failed), checked without waiting (``ray.wait``, timeout 0)."""
         import ray
 
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return len(ready) == len(self.refs)
 
     def result(self) -> Any:
+        """Wait for every rank and return the collected result, kept so later calls return it at once (the
+        call's compute seconds are counted on the group once). The first rank to fail raises ``WorkerFailure``
+        (its error, or its process died); a task's ``RewardError`` or ``DataError`` is raised as it is."""
         if self._value is None:
             outs = _wait_ranks(self.group.role, self.name, self.ranks, self.refs, self.group.pool)
             self.group._count([s for _, s, _ in outs], sum(c for _, _, c in outs))

@@ -70,6 +70,7 @@ class RolloutReplica:
                                            initializer=lambda: set_background(threading.get_native_id(), True))
 
     def ready(self) -> int:
+        """This replica's pid, answered once its constructor (the engine's build) has finished."""
         return os.getpid()
 
     def info(self) -> dict[str, Any]:
@@ -198,13 +199,6 @@ class RolloutReplica:
                 self._background.discard(tid)
 
     # ------------------------------------------------------------------ weights
-    def address(self) -> tuple[str, int]:
-        import ray
-
-        from .weight_sync import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
     def join_weights(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join the weight group (rank 0 is the trainer's actor rank 0)."""
         device = next(self.model.parameters()).device.type
@@ -270,10 +264,14 @@ class ReplicaSet:
 
     @property
     def kv_tokens(self) -> list[int]:
+        """KV-cache capacity in tokens of each replica's engine, in replica order. The first read of any
+        replica detail waits for every replica to start (``WorkerFailure`` after ``ray.start_timeout_s``)."""
         return [i["kv_tokens"] for i in self._info()]
 
     @property
     def signature(self) -> list:
+        """(name, shape, dtype) of replica 0's parameters in broadcast order; ``connect`` checks the actor's
+        against it before the first weight sync."""
         return self._info()[0]["signature"]
 
     @property
@@ -288,6 +286,7 @@ class ReplicaSet:
 
     @property
     def pids(self) -> list[int]:
+        """Process id of each replica, in replica order."""
         return [i["pid"] for i in self._info()]
 
     @property

@@ -87,6 +87,7 @@ def dispatch_of(cls: type, name: str) -> Dispatch | None:
 
 
 def registered_methods(cls: type) -> dict[str, Dispatch]:
+    """Every ``@register``-ed method of ``cls`` (inherited ones included): name -> its ``Dispatch``."""
     return {n: d for n in dir(cls) if (d := dispatch_of(cls, n)) is not None}
 
 
@@ -118,14 +119,18 @@ class Worker:
     dist: DistInfo = DistInfo()
 
     def attach(self, dist: DistInfo) -> None:
+        """Record where this worker sits (``DistInfo``: rank, size, process group, device); the host calls it
+        once, after the builder made the worker and before any method call."""
         self.dist = dist
 
     @property
     def rank(self) -> int:
+        """This worker's data-parallel rank within its role (0 until ``attach``)."""
         return self.dist.rank
 
     @property
     def world_size(self) -> int:
+        """The role's data-parallel size, ``<role>.dp`` (1 until ``attach``)."""
         return self.dist.world_size
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:

@@ -119,6 +119,8 @@ class Batch:
                      {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta})
 
     def to(self, device: torch.device | str) -> Batch:
+        """A new ``Batch`` with every tensor on ``device`` (one already there is the same object, not a copy);
+        the ``meta`` lists are shared, not copied."""
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
 
 

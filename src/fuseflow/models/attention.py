@@ -138,10 +138,12 @@ class SharedPrefix:
 
     @property
     def batch(self) -> int:
+        """B, the rows of the padded layout (one per response)."""
         return self.response.batch
 
     @property
     def width(self) -> int:
+        """Tp + Tr, the padded row width (prompt columns then response columns)."""
         return self.prompt.width + self.response.width
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,

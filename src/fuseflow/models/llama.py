@@ -42,6 +42,7 @@ class KVCache:
 
     @property
     def batch_size(self) -> int:
+        """B, the number of cached rows (samples)."""
         return self.keys[0].shape[0]
 
     def select(self, batch_indices: Tensor | list[int]) -> KVCache:

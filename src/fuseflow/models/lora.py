@@ -49,6 +49,7 @@ class LoraSpec:
 
     @property
     def scaling(self) -> float:
+        """alpha / r, the factor on the adapter's product: an adapted layer computes ``W x + scaling * B A x``."""
         return self.alpha / self.rank
 
     def peft_config(self, base_path: str | None = None):
@@ -169,6 +170,8 @@ def save_adapter(model: nn.Module, path: str | Path, base_path: str | Path | Non
 
 
 def is_adapter_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a LoRA adapter rather than a full model: its ``adapter_config.json`` exists
+    (``save_adapter`` moves it in after the weights, so it marks a complete save)."""
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 

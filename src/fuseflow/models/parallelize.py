@@ -30,6 +30,8 @@ def shard_fsdp(model: nn.Module, device_type: str, world_size: int) -> nn.Module
 
 
 def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a parameter of an FSDP2-sharded model, each rank holding a slice)
+    rather than a plain full tensor."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

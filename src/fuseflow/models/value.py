@@ -66,6 +66,8 @@ class ValueModel(nn.Module):
             self.value_head.bias.zero_()
 
     def num_parameters(self, trainable_only: bool = False) -> int:
+        """Number of parameter elements of the backbone and value head; ``trainable_only``: those with
+        ``requires_grad`` only."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     @classmethod

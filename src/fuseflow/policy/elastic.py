@@ -52,6 +52,7 @@ class DecodeCost:
     per_row: float
 
     def step_seconds(self, rows: int) -> float:
+        """Predicted seconds of one engine step with ``rows`` live sequences: ``base + per_row * rows``."""
         return self.base + self.per_row * rows
 
 

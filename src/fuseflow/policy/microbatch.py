@@ -59,6 +59,9 @@ class TokenBudgetBatcher(Generic[T]):
         return len(self._items) * self._longest
 
     def add(self, item: T) -> list[T] | None:
+        """Add ``item``; return the micro-batch it closed, or None. When one more row would make the padded size
+        (rows x longest, in tokens) exceed ``budget``, the items before it are returned and ``item`` starts the
+        next micro-batch. Raises ValueError for an item of fewer than one token."""
         n = self.length(item)
         if n < 1:
             raise ValueError(f"an item of {n} tokens cannot be batched; every sample has at least one token")

@@ -87,6 +87,7 @@ class MigrationPlan:
 
     @property
     def moved_samples(self) -> int:
+        """How many unfinished samples the plan aborts on one worker and resumes on another (one ``Move`` each)."""
         return len(self.moves)
 
 

@@ -65,6 +65,7 @@ class RewardModel:
         return cls(model, load_tokenizer(p), device, dtype, batch_size, meta)
 
     def save(self, path: str | Path, meta: dict) -> None:
+        """Write the model and tokenizer as ``save_pretrained`` does, plus ``meta`` (how it was trained) in its JSON file."""
         p = Path(path)
         self.model.save_pretrained(p)
         self.tokenizer.save_pretrained(str(p))

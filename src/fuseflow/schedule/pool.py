@@ -50,6 +50,8 @@ class TaskQueue:
         self._closed = False
 
     def submit(self, fn: Callable[[], object]) -> Future:
+        """Queue ``fn`` for the next free thread and wake one waiting in ``take``; returns the future that gets
+        its result or its error."""
         fut: Future = Future()
         with self._cv:
             self._tasks.append((fn, fut))
@@ -84,6 +86,7 @@ class TaskQueue:
         return self._closed
 
     def empty(self) -> bool:
+        """Whether no task waits for a thread (a task a thread has taken no longer counts, even while it runs)."""
         return not self._tasks
 
     def pending(self) -> int:
@@ -293,6 +296,8 @@ class RolloutPool:
         return out
 
     def budgets(self) -> dict[int, WorkerBudget]:
+        """Each worker's capacity for the migration plan, by worker index: ``max_num_seqs`` sequence slots and
+        its engine's KV-cache capacity in tokens."""
         c = self.config
         return {i: WorkerBudget(c.max_num_seqs, e.kv_capacity_tokens()) for i, e in enumerate(self.engines)}
 

@@ -332,6 +332,8 @@ class RayRolloutPool:
         return dict(enumerate(self.replicas.call("pending")))
 
     def budgets(self) -> dict[int, WorkerBudget]:
+        """Each replica's capacity for the migration plan, by replica index: ``max_num_seqs`` sequence slots and
+        the KV-cache tokens its engine reported at start (``ReplicaSet.kv_tokens``; no call to the replicas)."""
         return {i: WorkerBudget(self.config.max_num_seqs, kv) for i, kv in enumerate(self.replicas.kv_tokens)}
 
     def migrate(self, plan: MigrationPlan, step: int) -> int:

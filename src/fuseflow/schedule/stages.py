@@ -111,6 +111,8 @@ class Generated:
 
     @staticmethod
     def concat(parts: Sequence[Generated]) -> Generated:
+        """All ``parts`` as one, in the given order (not re-sorted by uid), with their rows merged by uid and
+        their ``migrated`` counts summed; ``packed`` is not carried over."""
         out = Generated([], [], [], {}, sum(p.migrated for p in parts))
         for p in parts:
             out.samples += p.samples

@@ -42,6 +42,8 @@ class Gate:
         self._callbacks: list[Callable[[], None]] = []
 
     def open(self, ok: bool) -> None:
+        """Open the gate with ``ok`` (whether every update succeeded): wake threads in ``wait`` and run the
+        callbacks ``on_open`` registered, on this thread and outside the lock."""
         with self._lock:
             self.ok = ok
             self._open.set()
@@ -50,12 +52,16 @@ class Gate:
             fn()
 
     def is_open(self) -> bool:
+        """Whether ``open`` was called (the step's updates have all ended), without waiting."""
         return self._open.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
+        """Block until the gate opens or ``timeout`` seconds pass (None: no limit); True when it is open."""
         return self._open.wait(timeout)
 
     def on_open(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the gate opens, on the thread that opens it; at once, on this thread, if it is
+        already open."""
         with self._lock:
             if not self._open.is_set():
                 self._callbacks.append(fn)

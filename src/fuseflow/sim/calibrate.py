@@ -227,6 +227,7 @@ class StepShapes:
 
     @property
     def samples(self) -> int:
+        """Number of samples (rows) in the step."""
         return len(self.seq)
 
 

@@ -73,6 +73,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
+        """Devices the layout occupies: `tp * pp * dp`."""
         return self.tp * self.pp * self.dp
 
     def __str__(self) -> str:
@@ -321,6 +322,7 @@ class DecodeModel:
 
     @property
     def gpus(self) -> int:
+        """Devices of one rollout replica: `tp * pp`."""
         return self.tp * self.pp
 
     def coefficients(self, n):
@@ -420,9 +422,13 @@ class DecodeModel:
         return max(compute, memory) + m.layers * eff.layer_latency_s + tp_comm
 
     def weight_bytes_per_gpu(self) -> float:
+        """Weight bytes each device of the replica holds: the model in `hw.param_bytes`, split evenly
+        over its `tp * pp` devices."""
         return self.model.weight_bytes(self.hw.param_bytes) / self.gpus
 
     def kv_bytes_per_token_per_gpu(self) -> float:
+        """KV-cache bytes one token takes on each device of the replica (all layers' K and V in
+        `hw.param_bytes`, split evenly over its `tp * pp` devices)."""
         return self.model.kv_bytes_per_token(self.hw.param_bytes) / self.gpus
 
 

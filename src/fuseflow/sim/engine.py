@@ -76,12 +76,19 @@ class GpuPool:
         self._waiters: deque = deque()
 
     def acquire(self, n: int, greedy: bool = False) -> simpy.Event:
+        """Request `n` devices; the event fires with the count granted: `n` (capped at the pool's size,
+        so any request can be met) or, with `greedy`, every free device once `n` are free.
+
+        Requests are granted strictly in arrival order: a later one waits behind an earlier one
+        even when it would fit.
+        """
         ev = self.env.event()
         self._waiters.append((ev, min(n, self.total), greedy))
         self._grant()
         return ev
 
     def release(self, n: int) -> None:
+        """Give `n` devices back and grant the waiting requests that now fit, in arrival order."""
         self.free += n
         self._grant()
 

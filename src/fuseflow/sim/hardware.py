@@ -23,7 +23,7 @@ Sources (dense, no sparsity; "per direction" for links):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -99,14 +99,12 @@ class HardwareSpec:
 
     @property
     def usable_memory(self) -> float:
+        """Bytes of device memory that models may use: `mem_capacity * usable_memory_fraction`."""
         return self.mem_capacity * self.usable_memory_fraction
 
     def with_efficiency(self, **changes: float) -> HardwareSpec:
         """A copy with some efficiency factors replaced (used by calibration)."""
         return replace(self, efficiency=replace(self.efficiency, **changes))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 GB = 1e9

@@ -94,6 +94,7 @@ class ModelSpec:
         return 2.0 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def weight_bytes(self, dtype_bytes: int) -> float:
+        """Bytes of all parameters (`params`) stored at `dtype_bytes` bytes each."""
         return float(self.params) * dtype_bytes
 
     def as_value_model(self) -> ModelSpec:

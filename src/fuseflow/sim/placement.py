@@ -109,14 +109,18 @@ class Problem:
 
     @property
     def roles(self) -> tuple[str, ...]:
+        """Roles that have a model, in `ROLES` order: actor and ref always, critic and reward if present."""
         return tuple(r for r in ROLES if self.model(r) is not None)
 
     def model(self, role: str) -> ModelSpec | None:
+        """Model of `role` ("rollout" runs the actor); None for a critic or reward model the workload
+        does not have. Raises KeyError for an unknown role."""
         return {"actor": self.actor, "rollout": self.actor, "ref": self.ref, "critic": self.critic,
                 "reward": self.reward}[role]  # fmt: skip
 
     @staticmethod
     def trainable(role: str) -> bool:
+        """Whether `role` is trained (actor, critic) rather than only run forward."""
         return role in TRAIN_STAGE
 
     def runs_inference(self, role: str) -> bool:
@@ -136,6 +140,7 @@ class DeviceSet:
 
     @property
     def name(self) -> str:
+        """The set's roles joined by '+', e.g. `actor+ref`: its key for device pools and reports."""
         return "+".join(self.roles)
 
 
@@ -148,6 +153,7 @@ class Plan:
     gen: tuple[int, int] = (1, 1)
 
     def layout(self, role: str) -> Layout:
+        """The parallel layout of `role`; raises KeyError if the plan gives it none."""
         return dict(self.layouts)[role]
 
     def set_of(self, role: str) -> DeviceSet:
@@ -161,6 +167,8 @@ class Plan:
 
     @property
     def rollout_separate(self) -> bool:
+        """Whether the rollout has a device set of its own (new weights then go over the network)
+        instead of generating on the actor's set."""
         return any("rollout" in s.roles for s in self.sets)
 
     @property

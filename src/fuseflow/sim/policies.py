@@ -53,6 +53,8 @@ class Policy:
 
     @property
     def name(self) -> str:
+        """Canonical name: the flags that are on, joined by '+' in the order fused, async, elastic, or
+        'sequential'; `parse_policy` reads it back. The knobs are not part of it."""
         flags = [f for f, on in (("fused", self.fused), ("async", self.async_), ("elastic", self.elastic)) if on]
         return "+".join(flags) or "sequential"
 

@@ -51,6 +51,7 @@ class RuntimeMode:
 
     @property
     def flags(self) -> set[str]:
+        """The flags of `mode` (its '+'-separated parts, e.g. {'fused', 'async'}); empty for sequential."""
         return set() if self.mode == "sequential" else set(self.mode.split("+"))
 
     @property
@@ -60,6 +61,7 @@ class RuntimeMode:
 
     @property
     def fused(self) -> bool:
+        """Whether inference micro-batches are formed from samples as they finish decoding."""
         return "fused" in self.flags
 
     @property

@@ -74,9 +74,14 @@ class Candidate:
     sims: dict[str, SimResult] = field(default_factory=dict)
 
     def best(self) -> tuple[str, SimResult]:
+        """The policy with the lowest simulated iteration time, with its result; raises ValueError if
+        no policy has been simulated yet."""
         return min(self.sims.items(), key=lambda kv: kv[1].iteration_seconds)
 
     def to_dict(self) -> dict:
+        """JSON-ready summary: the plan's `describe()`, the best policy's iteration seconds and
+        samples/s, memory per GPU (GB) by device set, the analytic costs (seconds) and every
+        simulated policy's iteration seconds."""
         policy, res = self.best()
         return {
             **self.plan.describe(),

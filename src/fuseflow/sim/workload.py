@@ -107,10 +107,12 @@ class StepBatch:
 
     @property
     def n(self) -> int:
+        """Number of samples in the step."""
         return len(self.response_lens)
 
     @property
     def seq_lens(self) -> np.ndarray:
+        """(N,) total tokens per sample: prompt plus response."""
         return self.prompt_lens + self.response_lens
 
 
@@ -150,10 +152,12 @@ class Workload:
 
     @property
     def samples(self) -> int:
+        """Samples per step: `prompts * samples_per_prompt`."""
         return self.prompts * self.samples_per_prompt
 
     @property
     def has_critic(self) -> bool:
+        """Whether the algorithm trains a critic (PPO does, GRPO does not)."""
         return self.algorithm == "ppo"
 
     def step(self, index: int = 0) -> StepBatch:

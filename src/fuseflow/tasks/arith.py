@@ -48,12 +48,15 @@ class ArithTask(GeneratedTask):
         return Prompt(self.question(a, b), self.answer(a + b), {"a": a, "b": b}), _held_out(a, b)
 
     def question(self, a: int, b: int) -> str:
+        """The prompt for ``a + b``, both operands zero-padded to ``max_digits``."""
         return f"{a:0{self.max_digits}d}+{b:0{self.max_digits}d}="
 
     def answer(self, total: int) -> str:
+        """The expected response: the sum zero-padded to ``max_digits + 1`` digits."""
         return f"{total:0{self.max_digits + 1}d}"
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        """1.0 when the stripped response is exactly the zero-padded sum, else 0.0."""
         return 1.0 if response.strip() == prompt.answer else 0.0
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:

@@ -48,7 +48,10 @@ class Task(ABC):
         return self._eval
 
     @abstractmethod
-    def reward(self, prompt: Prompt, response: str) -> float: ...
+    def reward(self, prompt: Prompt, response: str) -> float:
+        """The reward of ``response`` to ``prompt``, usually in [0, 1] (``success_threshold`` marks correct).
+
+        A subclass defines it; callers use ``score``, which checks the value and names the task on an error."""
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:
         """(prompt, response) pairs for the SFT warm start; empty if the task has none."""
@@ -83,6 +86,7 @@ class Task(ABC):
         return value if math.isfinite(value) else float("nan")
 
     def is_correct(self, prompt: Prompt, response: str) -> bool:
+        """Whether the checked reward (``score``) is finite and reaches ``success_threshold``: held-out accuracy."""
         value = self.score(prompt, response)
         return math.isfinite(value) and value >= self.success_threshold
 

@@ -55,6 +55,7 @@ class UserFunction:
 
     @property
     def name(self) -> str:
+        """The function's spec as the user wrote it (``file.py:fn`` or ``package.module:fn``), for messages."""
         return self.spec
 
     def __call__(self, prompts: list[str], responses: list[str], answers: list[str | None]) -> list[float]:

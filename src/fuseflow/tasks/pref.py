@@ -64,6 +64,7 @@ class PrefTask(GeneratedTask):
         return Prompt(f"{word}:", None, {"word": word}), zlib.crc32(word.encode()) % 10 == 0
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        """The gold rule's score of the stripped response for the prompt's word (``gold_score``)."""
         return gold_score(prompt.meta["word"], response.strip())
 
     def demonstrations(self) -> list[tuple[Prompt, str]]:

@@ -116,6 +116,8 @@ class ReasoningGymTask(Task):
         return Prompt(self._text(entry), str(entry["answer"]), {"entry": entry})
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        """reasoning-gym's own score of the answer (the ``<answer>`` tag's content when there is one, else the whole
+        response), or 1.0 for an exact match of the reference answer, whichever is higher."""
         from reasoning_gym.utils import extract_answer
 
         entry = prompt.meta["entry"]

@@ -16,6 +16,8 @@ from .base import GeneratedTask, Prompt
 
 
 def long_tail_length(rng: random.Random, max_items: int) -> int:
+    """A list length in ``[1, max_items]``, log-normal around 3: most lists are short and a few long, so the
+    responses have the long tail that migration and fusion are for."""
     return max(1, min(max_items, round(math.exp(rng.gauss(math.log(3.0), 0.9)))))
 
 
@@ -34,6 +36,8 @@ class SortTask(GeneratedTask):
         return prompt, (hash_items(items) % 10 == 0) if len(items) >= 4 else None
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        """The fraction of positions where the response's comma-separated items match the sorted list, over the
+        longer of the two (so extra or missing items cost reward)."""
         want = prompt.answer.split(",")
         got = response.strip().split(",") if response.strip() else []
         hits = sum(1 for w, g in zip(want, got, strict=False) if w == g)
@@ -44,6 +48,8 @@ class SortTask(GeneratedTask):
 
 
 def hash_items(items: list[int]) -> int:
+    """A fixed polynomial hash of a list, the same on every machine and Python version: it puts about one list in
+    ten into the held-out split."""
     h = 0
     for x in items:
         h = (h * 31 + x + 1) % 1_000_003

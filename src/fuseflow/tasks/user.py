@@ -155,6 +155,7 @@ class FileTask(Task):
                 fn.close()
 
     def reward(self, prompt: Prompt, response: str) -> float:
+        """The user's reward function's value for ``(prompt, response)``, checked as ``score`` checks it."""
         return self.score(prompt, response)
 
     def score(self, prompt: Prompt, response: str) -> float:

@@ -22,6 +22,7 @@ def _parse_steps(text: str | None) -> list[int] | None:
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``fuseflow plot`` (``trace`` and ``compare``) to the CLI app."""
     plot_app = typer.Typer(no_args_is_help=True, help="Plots drawn from a run directory.")
     app.add_typer(plot_app, name="plot")
 

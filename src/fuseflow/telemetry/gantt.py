@@ -49,9 +49,11 @@ class Trace:
         return sorted(keys)
 
     def name(self, track: tuple[int, int]) -> str:
+        """A track's name as the tracer recorded it, or ``track P:T`` when it was never named."""
         return self.track_names.get(track, f"track {track[0]}:{track[1]}")
 
     def steps(self) -> list[int]:
+        """The steps that have any span or instant in the trace, ascending."""
         return sorted({s.step for s in self.spans} | {i.step for i in self.instants})
 
 

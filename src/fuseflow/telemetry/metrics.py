@@ -29,6 +29,8 @@ class MetricsLogger:
                 self._tb = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one step's metrics as a line of ``metrics.jsonl`` (a non-finite value is written as null) and, with
+        TensorBoard, add the finite numbers as scalars."""
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -47,6 +49,7 @@ class MetricsLogger:
             f.write(json.dumps({"step": step, "event": kind, **{k: _plain(v) for k, v in fields.items()}}) + "\n")
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer, if any (the JSONL file is closed after each line)."""
         if self._tb is not None:
             self._tb.close()
 

@@ -82,6 +82,7 @@ class Tracer:
 
     @contextmanager
     def span(self, name: str, step: int, track: int = 0, **args):
+        """Time the ``with`` block as a span ``name`` of ``step`` on ``track`` (``args`` go into the event)."""
         start = time.perf_counter()
         try:
             yield
@@ -122,6 +123,7 @@ class Tracer:
             self._instants_from = min(self._instants_from, step + 1)
 
     def save(self) -> None:
+        """Write the trace as Chrome trace-event JSON (``chrome://tracing``, Perfetto), atomically; a no-op without a path."""
         if not self.path:
             return
         meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}

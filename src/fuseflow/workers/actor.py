@@ -133,6 +133,7 @@ class ActorWorker(TrainableRole, ReferenceWorker):
 
     @register("dp_split")
     def generate(self, requests: list[RolloutRequest]) -> list[Sample]:
+        """Generate a response for each request with the actor's rollout, returned in the requests' order."""
         samples = list(self.rollout.generate(requests))
         order = {r.uid: i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[s.uid])

@@ -133,6 +133,8 @@ def _batching(worker, cfg) -> None:
 
 
 def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
+    """The actor role on one rank: the policy (sharded when ``dp > 1``), its rollout backend, tokenizer,
+    held-out prompts and micro-batching."""
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
     tokenizer = run_tokenizer(cfg)
@@ -179,6 +181,8 @@ def build_rollout_engine(ctx: RoleContext):
 
 
 def build_reference(ctx: RoleContext, dist: DistInfo) -> ReferenceWorker:
+    """The frozen reference role on one rank: the SFT model from ``ctx.ref_dir`` (with LoRA, the actor's own frozen
+    base when it is on this rank), its held-out prompts and micro-batching."""
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
     shared = _FROZEN_BASES.pop((str(ctx.ref_dir), dist.rank), None) if cfg.model.lora.enabled else None
@@ -203,6 +207,8 @@ def build_critic(ctx: RoleContext, dist: DistInfo, name: str = "critic", prefix:
 
 
 def build_reward(ctx: RoleContext, dist: DistInfo) -> RewardWorker:
+    """The reward role on one rank: the task's reward (a user's function gets its timeout, process pool and
+    batching here) and, with ``reward.model``, the learned reward model."""
     cfg = ctx.cfg
     rm = ctx.reward_model
     if rm is None and cfg.reward.model:

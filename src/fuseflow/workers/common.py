@@ -56,6 +56,7 @@ def response_slice(batch: Batch) -> slice:
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded batch: 0 at each row's first real token, padding clamped to 0."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -378,6 +379,7 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
 
 
 def mean_metrics(records: list[dict]) -> dict[str, float]:
+    """Average each metric over the records that have it (micro-batches or ranks)."""
     keys = {k for r in records for k in r}
     out = {}
     for k in keys:

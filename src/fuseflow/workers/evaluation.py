@@ -31,6 +31,8 @@ class HeldOut:
 
     @classmethod
     def from_config(cls, cfg, task: Task, tokenizer) -> HeldOut:
+        """The held-out set a run's config asks for: the task's first ``trainer.eval_size`` held-out prompts, the
+        model's lengths and the rollout temperature, seeded apart from training (``seed + 99``)."""
         return cls(task, tokenizer, task.eval_prompts()[: cfg.trainer.eval_size], cfg.model.max_prompt_len,
                    cfg.model.max_response_len, cfg.rollout.temperature, cfg.seed + 99)
 
@@ -49,5 +51,6 @@ class HeldOut:
                                  self.temperature, EVAL_SAMPLES, seed=self.seed)
 
     def preference(self, responses: list[str], sft_responses: list[str], reward_model) -> dict[str, float]:
+        """Preference metrics of the policy's held-out responses against the SFT model's (``preference_eval``)."""
         prompts = [p for p in self.prompts for _ in range(EVAL_SAMPLES)]
         return preference_eval(self.task, prompts, responses, sft_responses, reward_model)

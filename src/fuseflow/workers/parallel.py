@@ -36,6 +36,7 @@ class TrainableRole(Worker):
 
     @property
     def sharded(self) -> bool:
+        """True when ``model`` is an FSDP2-sharded copy beside the unsharded ``plain`` (``dp > 1``, not LoRA)."""
         return self.plain is not self.model
 
     def global_counts(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,8 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
+        """Blocks with no owner (reference count 0), ready to hand out; freed blocks the prefix cache can still
+        reuse count too (their cached content is dropped when one is taken, least recently freed first)."""
         return len(self.free)
 
     def blocks_for(self, num_tokens: int) -> int:

@@ -337,4 +337,6 @@ class ModelRunner:
         return out.transpose(1, 2).reshape(b * width, H * hd).index_select(0, index)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer for the ``(src, dst)`` pairs of ``plan.copies``: a fork
+        of a shared prompt gets its own copy of the partially filled last prompt block (called after the forward)."""
         self.pool.copy_blocks(pairs)

@@ -35,6 +35,7 @@ class PartialState:
 
     @property
     def uid(self) -> int:
+        """The request's uid: the sample's id on every engine (abort, migration and resume name it by it)."""
         return self.request.uid
 
 
@@ -83,10 +84,13 @@ class Sequence:
 
     @property
     def uid(self) -> int:
+        """The request's uid: the sample's id on every engine (abort, migration and resume name it by it)."""
         return self.request.uid
 
     @property
     def response(self) -> list[int]:
+        """Token ids sampled so far (``tokens`` after the prompt, a new list), those a resumed ``PartialState``
+        brought included."""
         return self.tokens[self.num_prompt :]
 
     def next_uniform(self) -> float:
@@ -114,6 +118,9 @@ class Sequence:
         return gen.get_state().numpy().tobytes()
 
     def to_partial(self) -> PartialState:
+        """This sample as a ``PartialState`` (request, response so far, log-probs, generator state; not its KV),
+        which any engine on the same weights resumes to the same tokens. Before the first sampled token its
+        ``rng_state`` is None: the request's seed restarts the same stream."""
         state = None if not self.logprobs else self.rng_state()
         return PartialState(self.request, self.response, list(self.logprobs), state, self.policy_version,
                             self.t_first_token)

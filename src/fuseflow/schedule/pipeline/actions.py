@@ -42,6 +42,7 @@ class Plan:
 
     @property
     def n_devices(self) -> int:
+        """Number of devices, each with one stage process and action list; every model has as many stages."""
         return len(self.order)
 
     def device(self, model: str, stage: int) -> int:
@@ -49,6 +50,7 @@ class Plan:
         return stage if model == "A" else self.n_devices - 1 - stage
 
     def stage_on(self, model: str, device: int) -> int:
+        """Stage of `model` that runs on `device`, the inverse of `device`: A stage d, B stage p - 1 - d."""
         return device if model == "A" else self.n_devices - 1 - device
 
     def predecessor(self, t: Task) -> Task | None:
@@ -62,6 +64,7 @@ class Plan:
         return t._replace(stage=t.stage + 1)
 
     def labels(self) -> list[list[str]]:
+        """Each device's actions as `Task.label` strings in run order, e.g. `A F3 s2` (for reports)."""
         return [[t.label() for t in seq] for seq in self.order]
 
 

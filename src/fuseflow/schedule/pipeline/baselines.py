@@ -64,10 +64,13 @@ class TimedSchedule:
 
     @property
     def peak_memory(self) -> float:
+        """Largest per-device peak of activation memory, in the instance's memory units."""
         return max(self.device_peaks)
 
     @classmethod
     def from_evaluation(cls, order: Order, ev: Evaluation) -> TimedSchedule:
+        """The schedule that `evaluate` timed for `order`: its start times, makespan and per-device
+        peaks, copied so the result does not share them with `ev`."""
         return cls(order, dict(ev.start), ev.makespan, list(ev.device_peaks))
 
 

@@ -29,6 +29,7 @@ class LowerBound:
 
     @property
     def value(self) -> int:
+        """The bound itself, in integer time units: the largest of the four terms."""
         return max(self.critical_path, self.average_work, self.busiest_device, self.arrival_work_tail)
 
 

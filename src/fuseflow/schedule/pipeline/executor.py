@@ -62,15 +62,19 @@ class ModelStage:
     grad_norm: float = 0.0  # the global gradient norm of the last optimizer step (before clipping)
 
     def hidden_shape(self, mb: int) -> tuple[int, int, int]:
+        """Shape (B, T, hidden) of micro-batch `mb`'s activations between stages (and of their
+        gradients): the shape of the buffers that receive them."""
         b, t = self.micro_batches[mb]["input_ids"].shape
         return b, t, self.module.config.hidden_size
 
     @property
     def dtype(self) -> torch.dtype:
+        """Dtype of this stage's parameters; receive and all-reduce buffers are allocated in it."""
         return next(self.module.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
+        """Device that holds this stage's parameters; receive and all-reduce buffers are allocated on it."""
         return next(self.module.parameters()).device
 
 

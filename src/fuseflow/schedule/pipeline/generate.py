@@ -213,4 +213,5 @@ class PipelinedRollout(RolloutBackend):
         self.policy_version = version
 
     def close(self) -> None:
+        """Stop the 2 stage processes that hold the actor's weights (`PipelineTrainer.close`)."""
         self.stages.close()

@@ -61,6 +61,7 @@ class TaskGraph:
         return g
 
     def times_to_tasks(self, start: list[int]) -> dict[Task, int]:
+        """Start times keyed by `Task`, from a list indexed like `tasks` (a search's integer starts)."""
         return {t: start[i] for i, t in enumerate(self.tasks)}
 
 

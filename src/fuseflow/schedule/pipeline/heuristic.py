@@ -61,6 +61,8 @@ def latest_finish(g: TaskGraph, horizon: int) -> list[int]:
 
 
 def tardiness(end: list[int], lf: list[int]) -> int:
+    """Total lateness: how far each task ends past its latest finish `lf`, summed over the late
+    ones (integer time units). Zero exactly when every task meets `lf`."""
     return sum(e - f for e, f in zip(end, lf, strict=True) if e > f)
 
 

@@ -113,22 +113,29 @@ class PipelineInstance:
 
     @property
     def n_devices(self) -> int:
+        """Devices of the instance: `p_a` (A has a stage on each; B's replicas tile the same devices)."""
         return self.p_a
 
     @property
     def replicas_b(self) -> int:
+        """Number of copies of model B, `p_a // p_b`, each on its own `p_b` consecutive devices."""
         return self.p_a // self.p_b
 
     def stages(self, model: str) -> int:
+        """Pipeline stages of `model`: `p_a` for "A", `p_b` for "B" (per replica)."""
         return self.p_a if model == "A" else self.p_b
 
     def micro_batches(self, model: str) -> int:
+        """Micro-batches of `model` per step: `m_a` for "A", `m_b` for each replica of "B"."""
         return self.m_a if model == "A" else self.m_b
 
     def forward_time(self, model: str) -> int:
+        """Duration of one forward of `model` on one stage, in integer time units (a backward takes 2x)."""
         return self.f_a if model == "A" else self.f_b
 
     def mem(self, model: str) -> float:
+        """Activation memory one micro-batch of `model` holds on a device from its forward until its
+        backward ends."""
         return self.mem_a if model == "A" else self.mem_b
 
     def device(self, model: str, replica: int, stage: int) -> int:
@@ -138,6 +145,7 @@ class PipelineInstance:
         return (replica + 1) * self.p_b - 1 - stage
 
     def duration(self, task: Task) -> int:
+        """Duration of `task` in integer time units: `f` for a forward, `2*f` for a backward."""
         f = self.forward_time(task.model)
         return 2 * f if task.backward else f
 
@@ -179,10 +187,12 @@ class Evaluation:
 
     @property
     def peak_memory(self) -> float:
+        """Largest per-device peak of activation memory (the objective's second term)."""
         return max(self.device_peaks)
 
     @property
     def sum_of_peaks(self) -> float:
+        """Sum of the per-device peaks (the objective's last term, breaking ties on the peak)."""
         return sum(self.device_peaks)
 
     def score(self) -> tuple[int, float, float]:

@@ -39,6 +39,8 @@ class Context:
         self.rank, self._current = rank, current
 
     def on_action(self, i: int) -> None:
+        """Record that this rank is about to run action `i` of its list (-1: none), so the parent can
+        say what a rank that died was doing."""
         self._current[self.rank] = i
 
 

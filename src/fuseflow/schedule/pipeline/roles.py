@@ -199,6 +199,8 @@ class PipelineRoles:
                                         "pipeline/optimizer_steps": float(len(makespans))}
 
     def close(self) -> None:
+        """Stop the stage processes (`PipelineTrainer.close`); the role workers keep the weights and
+        optimizer state of the last update."""
         self.trainer.close()
 
 

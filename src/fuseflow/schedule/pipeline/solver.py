@@ -51,6 +51,7 @@ class SolveResult:
 
     @property
     def peak_memory(self) -> float:
+        """Largest per-device peak of activation memory of the schedule, in the instance's memory units."""
         return max(self.device_peaks)
 
 

@@ -58,13 +58,16 @@ class Search:
         self.rounds_used = 0  # list-scheduling rounds run so far
 
     def left(self) -> float:
+        """Seconds left before the wall-clock safety stop (negative once it has passed)."""
         return self.deadline - time.perf_counter()
 
     @property
     def peak(self) -> float:
+        """Peak memory of the incumbent schedule (`inf` until one has been accepted)."""
         return self.best_score[1] if self.best_score else float("inf")
 
     def makespan_of(self, start: list[int]) -> int:
+        """Makespan of `start` (start times indexed like `g0.tasks`): the latest task end."""
         return max(s + d for s, d in zip(start, self.g0.dur, strict=True))
 
     def offer(self, stage: str, start: list[int], edges: list[tuple[int, int]]) -> bool:
@@ -115,6 +118,7 @@ class Search:
         return cpsat.Effort(det, max(0.05, self.left()), conflicts)
 
     def note(self, outcome: cpsat.CpOutcome) -> cpsat.CpOutcome:
+        """Set `cut` if the wall-clock safety stop ended this CP-SAT call; returns `outcome` unchanged."""
         if not outcome.deterministic:
             self.cut = True
         return outcome

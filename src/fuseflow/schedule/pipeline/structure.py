@@ -46,6 +46,7 @@ class Roles:
 
     @property
     def secondary(self) -> str:
+        """The other model: the one scheduled around the primary, whose caps the memory stages lower."""
         return "B" if self.primary == "A" else "A"
 
 

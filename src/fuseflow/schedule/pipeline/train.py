@@ -59,10 +59,13 @@ class ModelSpec:
     split: tuple[int, ...] | None = None
 
     def build(self) -> CausalLM | ValueModel:
+        """A fresh whole model from `config` and `seed` (CausalLM for the actor, ValueModel for the
+        critic), so every process that builds it gets the same weights."""
         cls = CausalLM if self.kind == "actor" else ValueModel
         return cls.from_config(self.config, seed=self.seed)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
+        """AdamW over `params` with this spec's `lr` and `weight_decay` (the role workers' `adamw`)."""
         return adamw(params, self.lr, self.weight_decay)
 
 
@@ -271,6 +274,7 @@ class PipelineTrainer:
         return out
 
     def close(self) -> None:
+        """Stop the stage processes and remove their store directory (`StageProcesses.close`)."""
         self.procs.close()
 
 
