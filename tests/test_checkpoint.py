@@ -7,6 +7,7 @@ from fuseflow.checkpoint import (
     CheckpointWriteError,
     checkpoint_steps,
     checkpoints_to_keep,
+    cuda_states,
     find_checkpoint,
     latest_checkpoint,
     load_optimizer_state,
@@ -163,3 +164,10 @@ def test_copy_model_dir_links_cache_files_and_copies_user_models(tmp_path):
     with open(user / "model.safetensors", "wb") as f:
         f.write(b"new")
     assert (tmp_path / "ref2" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_cuda_generator_states_come_back_in_device_order_past_ten_devices():
+    # Keys sorted as text would put cuda10 and cuda11 between cuda1 and cuda2 and restore them on the wrong GPUs.
+    tensors = {"torch": torch.tensor([99])} | {f"cuda{i}": torch.tensor([i]) for i in (11, 2, 10, 0, 1, 9, 3, 4, 5, 6, 7, 8)}
+    assert [int(t) for t in cuda_states(tensors)] == list(range(12))
+    assert cuda_states({"torch": torch.tensor([1])}) == []

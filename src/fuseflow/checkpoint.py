@@ -63,11 +63,17 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"python": [version, list(internal), gauss]}
 
 
+def cuda_states(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The ``cuda{i}`` generator states of ``rng_state``'s tensors in device order (``cuda10`` after ``cuda9``,
+    not after ``cuda1`` as sorting the keys as text would put it)."""
+    return [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda")), key=lambda k: int(k[4:]))]
+
+
 def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
     """Restore what ``rng_state`` returned, so a resumed run draws the numbers the uninterrupted one would."""
     torch.set_rng_state(tensors["torch"])
     if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(tensors) if k.startswith("cuda")]
+        states = cuda_states(tensors)
         if states:
             torch.cuda.set_rng_state_all(states)
     version, internal, gauss = plain["python"]

@@ -98,8 +98,10 @@ def inputs_digest(paths: list[Path]) -> str:
 
 
 def demo_batch(tokenizer, pairs, max_prompt_len: int, max_response_len: int) -> Batch:
-    """A training batch of (prompt, response) pairs: prompts left-padded to ``max_prompt_len``, responses cut to
-    ``max_response_len`` with the end-of-turn token appended, the loss on response tokens only (``response_mask``)."""
+    """A training batch of (prompt, response) pairs: prompts left-padded to the batch's longest (one over
+    ``max_prompt_len`` tokens raises ValueError), each response cut to ``max_response_len - 1`` tokens plus the stop
+    token (end-of-turn, or eos without a chat template) and right-padded; the loss on response tokens only
+    (``response_mask``)."""
     prompt_ids = encode_prompts(tokenizer, [p for p, _ in pairs], max_prompt_len)
     resp_ids = tokenizer([r for _, r in pairs], add_special_tokens=False)["input_ids"]
     end = stop_token_ids(tokenizer)[0]  # a chat model ends its turn with the template's end-of-turn token

@@ -24,7 +24,8 @@ class Cluster(Protocol):
               placed_as: str | None = None) -> WorkerGroup:
         """Build ``role`` with ``builder`` (called with each rank's ``DistInfo`` where that rank runs) and return
         the ``WorkerGroup`` that calls it; ``cls`` is the worker class whose registered methods the group offers,
-        ``placed_as`` the placement entry to follow when ``role`` has none of its own."""
+        ``placed_as`` the placement entry to follow instead of ``role``'s own (safe_ppo's cost critic follows
+        the critic's)."""
         ...
 
     def rollout_replicas(self, builder: Callable[[], object]):

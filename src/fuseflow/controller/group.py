@@ -116,7 +116,8 @@ class Future:
 
     def result(self) -> Any:
         """Block until every rank of the call has finished and return the result its ``collect`` rule put
-        together (each backend implements it; on Ray a failed rank raises ``WorkerFailure``)."""
+        together; the first rank to fail raises (on Ray ``WorkerFailure``, or a task's ``RewardError`` or
+        ``DataError`` as it is)."""
         raise NotImplementedError
 
     def done(self) -> bool:
@@ -132,7 +133,8 @@ class Done(Future):
         self.value = value
 
     def result(self) -> Any:
-        """The collected value of a call that already ran (eagerly, in ``LocalGroup._submit``); never blocks."""
+        """The value of a call that already ran (e.g. eagerly in ``LocalGroup._submit``, or a pipeline's
+        update); never blocks."""
         return self.value
 
     def done(self) -> bool:

@@ -53,8 +53,8 @@ class Placement:
         return sum(p.size * p.cpus_per_worker for p in self.pools.values())
 
     def gpus_needed(self) -> float:
-        """GPUs all pools together reserve (each pool's ``size * gpus_per_worker``, fractions allowed); a local
-        Ray started for the run gets this many, rounded up."""
+        """GPUs all pools together reserve (each pool's ``size * gpus_per_worker``, fractions allowed). A local
+        Ray started for the run is given this many, rounded up; when it is 0, Ray detects the GPUs itself."""
         return sum(p.size * p.gpus_per_worker for p in self.pools.values())
 
 

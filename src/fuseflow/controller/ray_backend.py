@@ -238,8 +238,8 @@ class RayCluster:
     def group(self, role: str, cls: type, builder: Callable, placed_as: str | None = None) -> RayGroup:
         """Build ``role`` on the first ``dp`` hosts of its pool and return its group.
 
-        ``placed_as`` names the placement entry to follow when the role has none of its own
-        (safe_ppo's cost critic goes where the critic goes).
+        ``placed_as`` names the placement entry to follow instead of the role's own (safe_ppo's cost
+        critic goes where the critic goes).
         """
         key = placed_as or role
         if key not in self.placement.role_pool:

@@ -265,7 +265,8 @@ class ReplicaSet:
     @property
     def kv_tokens(self) -> list[int]:
         """KV-cache capacity in tokens of each replica's engine, in replica order. The first read of any
-        replica detail waits for every replica to start (``WorkerFailure`` after ``ray.start_timeout_s``)."""
+        replica detail waits for every replica to start, one after another (``WorkerFailure`` naming the first
+        that failed, or that was not up within ``ray.start_timeout_s`` of its turn)."""
         return [i["kv_tokens"] for i in self._info()]
 
     @property

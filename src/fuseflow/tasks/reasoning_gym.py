@@ -116,8 +116,9 @@ class ReasoningGymTask(Task):
         return Prompt(self._text(entry), str(entry["answer"]), {"entry": entry})
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        """reasoning-gym's own score of the answer (the ``<answer>`` tag's content when there is one, else the whole
-        response), or 1.0 for an exact match of the reference answer, whichever is higher."""
+        """reasoning-gym's own score of the answer (the ``<answer>`` tag's content when there is one, else the
+        stripped response), or 1.0 when the stripped response or the last number in it equals the reference answer,
+        whichever is higher."""
         from reasoning_gym.utils import extract_answer
 
         entry = prompt.meta["entry"]

@@ -155,7 +155,8 @@ class FileTask(Task):
                 fn.close()
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        """The user's reward function's value for ``(prompt, response)``, checked as ``score`` checks it."""
+        """The user's reward function's value for ``(prompt, response)``, checked as ``score`` checks it; NaN when
+        the task has no reward function (a reward model then gives the whole reward)."""
         return self.score(prompt, response)
 
     def score(self, prompt: Prompt, response: str) -> float:

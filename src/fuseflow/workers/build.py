@@ -133,8 +133,8 @@ def _batching(worker, cfg) -> None:
 
 
 def build_actor(ctx: RoleContext, dist: DistInfo) -> ActorWorker:
-    """The actor role on one rank: the policy (sharded when ``dp > 1``), its rollout backend, tokenizer,
-    held-out prompts and micro-batching."""
+    """The actor role on one rank: the policy (FSDP2-sharded when ``dp > 1`` on Ray, except a LoRA policy, which
+    trains replicated), its rollout backend, tokenizer, held-out prompts and micro-batching."""
     cfg = ctx.cfg
     device, dtype = resolve_device(cfg.device)
     tokenizer = run_tokenizer(cfg)

@@ -56,7 +56,8 @@ def response_slice(batch: Batch) -> slice:
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids for a left-padded batch: 0 at each row's first real token, padding clamped to 0."""
+    """Position ids from an attention mask: 0 at each row's first real token, counting real tokens; left padding
+    gets 0, right padding repeats the last real position."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 

@@ -69,7 +69,8 @@ class ModelStage:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of this stage's parameters; receive and all-reduce buffers are allocated in it."""
+        """Dtype of this stage's parameters; receive buffers and the tied embedding's gradient all-reduce are
+        allocated in it (the gradient norm's all-reduce is float64)."""
         return next(self.module.parameters()).dtype
 
     @property
