@@ -31,16 +31,9 @@ def undocumented(module: types.ModuleType) -> list[str]:
         for attr, member in vars(obj).items():
             if attr.startswith("_"):
                 continue
-            if isinstance(member, (staticmethod, classmethod)):
-                member = member.__func__
-            if isinstance(member, property):
-                doc = member.__doc__ or next((getattr(b.__dict__.get(attr), "__doc__", None)
-                                              for b in obj.__mro__[1:] if attr in b.__dict__), None)
-            elif inspect.isfunction(member):
-                doc = inspect.getdoc(getattr(obj, attr))
-            else:
+            if not (inspect.isfunction(member) or isinstance(member, (staticmethod, classmethod, property))):
                 continue
-            if not doc:
+            if inspect.getdoc(getattr(obj, attr)) is None:  # a property on the class is the property itself
                 missing.append(f"{module.__name__}.{name}.{attr}")
     return missing
 

@@ -26,16 +26,13 @@ class Cluster(Protocol):
         the ``WorkerGroup`` that calls it; ``cls`` is the worker class whose registered methods the group offers,
         ``placed_as`` the placement entry to follow instead of ``role``'s own (safe_ppo's cost critic follows
         the critic's)."""
-        ...
 
     def rollout_replicas(self, builder: Callable[[], object]):
         """The rollout replica processes (a ``ReplicaSet``; ``builder()`` makes each one's engine where it runs),
         or None when the rollout has no pool of its own (always None for ``local``)."""
-        ...
 
     def shutdown(self) -> None:
         """Stop every worker process the cluster started and free what it reserved (nothing to stop for ``local``)."""
-        ...
 
 
 class LocalCluster:
@@ -60,7 +57,6 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         """Nothing to stop: the workers live in this process, and no process, port or placement group was started."""
-        pass
 
 
 def make_cluster(cfg, run_name: str | None = None) -> Cluster:
