@@ -7,7 +7,9 @@ this directory on their PYTHONPATH).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,6 +50,11 @@ class Echo(Worker):
     def sched_policy(self) -> int:
         """The scheduling policy of the thread that runs this call (Linux)."""
         return os.sched_getscheduler(0)
+
+    @register("one_to_all")
+    def thread_name(self) -> str:
+        """The OS name of the thread that runs this call (Linux)."""
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
 
     @register("rank_zero")
     def only_rank_zero(self) -> int:

@@ -93,6 +93,13 @@ def test_colocated_roles_run_beside_each_other_only_when_asked(ray_cluster):  # 
         assert fa.result() == [1.0] and fb.result() == [1.0]
         assert time.perf_counter() - t0 < 1.8
         assert policy.result() == [os.SCHED_IDLE] and a.sched_policy() == [os.SCHED_OTHER]
+        # Each lane's thread carries its OS name (controller.priority.name_thread), for per-thread tools.
+        with beside():
+            beside_name = b.thread_name.future()
+        with background():
+            background_name = b.thread_name.future()
+        assert beside_name.result() == ["lane-beside"] and background_name.result() == ["lane-background"]
+        assert a.thread_name() == ["lane-serial"]
 
         # Lent threads (the cores of idle rollout replicas) and given back.
         cores, node = len(os.sched_getaffinity(0)), ray_cluster.get_runtime_context().get_node_id()

@@ -7,6 +7,7 @@ engine (no replicas), so equal samples also show that the replicas' weights trac
 
 import time
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,7 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
         synced["sent"] = sent
         synced["expected"] = sum(want[k].nbytes for k in got[0])
         synced["pids"] = set(tr.replicas.pids)
+        synced["replica_threads"] = set().union(*(_thread_names(p) for p in tr.replicas.pids))
         # step 2's generation started while step 1's critic was still training (the actor had)
         critic_end = _span_bounds(tr.tracer, "critic_update", 1)[1]
         synced["step2_decoding_before_critic_trained"] = _span_bounds(tr.tracer, "generate", 2)[0] < critic_end
@@ -111,6 +113,14 @@ def test_fused_replicas_train_like_sequential_and_hold_the_trainers_weights(tmp_
     versions = [set(b.meta["policy_version"]) for b in fused[0]]
     assert versions == [{0}, {1}]  # step 2 decoded with the weights synced after step 1
     assert synced["step2_decoding_before_critic_trained"]
+    # the replicas' scoring threads carry OS names (controller.priority.name_thread); Ray's call threads
+    # in the roles' processes carry their lane's name only during a call (test_controller_ray)
+    assert synced["replica_threads"] & {"score-0", "score-1"}, sorted(synced["replica_threads"])
+
+
+def _thread_names(pid: int) -> set[str]:
+    """The OS names of process ``pid``'s threads (``/proc/PID/task/TID/comm``)."""
+    return {(t / "comm").read_text().strip() for t in Path(f"/proc/{pid}/task").iterdir()}
 
 
 def _span_bounds(tracer, name, step):

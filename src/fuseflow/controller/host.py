@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .dispatch import from_wire, to_wire
-from .priority import set_background
+from .priority import name_thread, set_background
 from .worker import DistInfo, Worker
 
 
@@ -89,7 +89,10 @@ class WorkerHost:
     def call(self, role: str, method: str, args: tuple, kwargs: dict, ticket: int | None = None,
              lane: str = "serial") -> tuple[Any, float, float]:
         """Run ``role.method`` on this rank: (result as numpy-backed wire data, wall seconds, CPU seconds);
-        ``(Withdrawn(), 0, 0)`` when its ``ticket`` was withdrawn before it started."""
+        ``(Withdrawn(), 0, 0)`` when its ``ticket`` was withdrawn before it started. While it runs, its thread
+        has the OS name ``lane-LANE`` (``serial``, ``beside`` or ``background``), so per-thread tools tell the
+        lanes apart; Ray names its task threads ``ray::IDLE`` again between tasks."""
+        name_thread(f"lane-{lane}")
         if ticket is not None:
             with self._tickets:
                 if ticket in self._withdrawn:

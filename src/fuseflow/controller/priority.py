@@ -1,4 +1,4 @@
-"""Per-thread CPU priority: work that runs beside the critical path yields the core to it.
+"""Per-thread CPU priority (work that runs beside the critical path yields the core to it) and OS thread names.
 
 Used by the threaded rollout pool (``fuseflow.schedule.pool``) and by the rollout replica
 processes on Ray (``fuseflow.controller.replica``): an async prefetch decodes while the actor trains.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 
 def set_background(tid: int, background: bool) -> bool:
@@ -26,5 +27,26 @@ def set_background(tid: int, background: bool) -> bool:
     try:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
     except (PermissionError, ProcessLookupError, OSError):
+        return False
+    return True
+
+
+def name_thread(name: str) -> bool:
+    """Give the calling thread ``name`` (its first 15 bytes) in the OS; False where impossible.
+
+    Why: Ray's threads all show as their process (``ray::WorkerHost``), so ``top -H``, ``py-spy``'s
+    native view and ``/proc/PID/task/TID/comm`` could not tell a replica's decode from its Ray call
+    threads, nor a roles' process's serial lane from its background lane; a CPU split by thread
+    (docs/ray_rollout.md, session 36) had to guess them. Python 3.11's ``threading`` names threads only
+    for Python. Linux lets a thread rename itself through its ``comm`` file; other platforms keep the
+    name they had. A process's main thread keeps its name too: ``ps`` and ``top`` show it as the process's.
+    """
+    tid = threading.get_native_id()
+    if sys.platform != "linux" or tid == os.getpid():
+        return False
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "wb") as f:
+            f.write(name.encode()[:15])
+    except OSError:
         return False
     return True

@@ -309,10 +309,12 @@ class RayGroup(WorkerGroup):
         # A one-rank call in a lane of one thread carries a ticket, so that it can be taken back
         # (``RayFuture.withdraw``) while it still waits there.
         ticket = next(_TICKETS) if len(ranks) == 1 and lane.get("concurrency_group") != "beside" else None
+        named = {"lane": "beside"} if lane.get("concurrency_group") == "beside" else {}  # its threads' OS name
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)
-            refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs, ticket))
+            refs.append(getattr(self.hosts[r], method).options(**lane).remote(self.role, name, args, kwargs, ticket,
+                                                                              **named))
         future = RayFuture(self, name, ranks, refs, collect)
         if ticket is not None:
             future.withdraw = partial(_withdraw, self.hosts[ranks[0]], ticket,

@@ -35,7 +35,7 @@ from fuseflow.rollout.engine import Engine, EngineConfig
 from fuseflow.rollout.engine.sequence import PartialState
 
 from .group import WorkerFailure
-from .priority import set_background
+from .priority import name_thread, set_background
 from .weight_sync import WeightGroup, signature
 
 _END = object()
@@ -67,7 +67,7 @@ class RolloutReplica:
         # Log-probs run on a thread of their own under SCHED_IDLE (see ``compute_logprobs``); it keeps that
         # priority for the process's life, so Ray's call threads (abort, pending, add) never inherit it.
         self._scoring = ThreadPoolExecutor(1, thread_name_prefix=f"score-{index}",
-                                           initializer=lambda: set_background(threading.get_native_id(), True))
+                                           initializer=lambda: _scoring_thread(index))
 
     def ready(self) -> int:
         """This replica's pid, answered once its constructor (the engine's build) has finished."""
@@ -125,6 +125,7 @@ class RolloutReplica:
 
     def _decode(self, out: queue.Queue, background: bool) -> None:
         tid = threading.get_native_id()
+        name_thread(f"decode-{self.index}")
         if background and set_background(tid, True):
             self._background.add(tid)
         try:
@@ -400,6 +401,12 @@ class ReplicaSet:
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every replica, their results in replica order (failures name the replica)."""
         return self._get([getattr(h, method).remote(*args) for h in self.handles], method)
+
+
+def _scoring_thread(index: int) -> None:
+    """A replica's scoring thread starts: ``SCHED_IDLE`` for its life, and the OS name ``score-INDEX``."""
+    set_background(threading.get_native_id(), True)
+    name_thread(f"score-{index}")
 
 
 def sync_metrics(sent: int, seconds: float, replicas: list[dict[str, float]]) -> dict[str, float]:
