@@ -308,8 +308,9 @@ class RayGroup(WorkerGroup):
             lane, method = {"concurrency_group": "background"}, "call_background"
         # A one-rank call in a lane of one thread carries a ticket, so that it can be taken back
         # (``RayFuture.withdraw``) while it still waits there.
-        ticket = next(_TICKETS) if len(ranks) == 1 and lane.get("concurrency_group") != "beside" else None
-        named = {"lane": "beside"} if lane.get("concurrency_group") == "beside" else {}  # its threads' OS name
+        in_beside = lane.get("concurrency_group") == "beside"
+        ticket = next(_TICKETS) if len(ranks) == 1 and not in_beside else None
+        named = {"lane": "beside"} if in_beside else {}  # the OS name its thread takes (``WorkerHost.call``)
         refs = []
         for r, call in zip(ranks, per_rank, strict=True):
             args, kwargs = shared or to_wire(call)
