@@ -341,7 +341,7 @@ def test_fused_replicas_resume_exactly_without_saving_the_early_next_step(tmp_pa
         assert {k: v for k, v in a.items() if k.startswith(exact)} == {k: v for k, v in b.items() if k.startswith(exact)}
         for k in ("actor/loss", "critic/loss", "kl/ref_k3"):
             # abs: step 1's KL is 0 in exact math (the policy is the reference); summed in another order it
-            # read -5.6e-10 once, which no relative tolerance of 0.0 admits.
+            # read -5.6e-10 once against 0.0, and a relative tolerance around 0.0 admits only 0.0.
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-8), k
     a = load_file(str(tmp_path / "full/checkpoints/step_3/actor/model.safetensors"))
     b = load_file(str(tmp_path / "cut/checkpoints/step_3/actor/model.safetensors"))

@@ -108,10 +108,10 @@ def stop_idle_daemons() -> list[str]:
 
     In ``fuseflow bench fusion --backend ray`` on a 2-core machine they took about 0.6% of it (other processes'
     share fell by that much once they were stopped; docs/ray_rollout.md, session 38), CPU that a mode keeping
-    both cores busy loses. ``ray.init`` has no switch for
-    them (``ray start`` has ``--include-log-monitor=False`` and ``--no-monitor``), so they are stopped
-    through the node object Ray keeps for the cluster it started. Best effort: where that object or its
-    methods are missing (another Ray version) nothing is stopped. Returns the daemons stopped.
+    both cores busy loses. ``ray.init`` has no switch for them (``ray start`` has ``--include-log-monitor=False``
+    and ``--no-monitor``), so they are stopped through the node object Ray keeps for the cluster it started.
+    Best effort: where that object or its methods are missing (another Ray version), or this process joined a
+    cluster instead of starting one, nothing is stopped. Returns the daemons stopped.
     """
     try:
         from ray._private import worker
