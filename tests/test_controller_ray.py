@@ -149,24 +149,12 @@ def test_unreachable_address_is_one_line():
         check_address("nonsense", timeout_s=5)
 
 
-def _children() -> list[str]:
-    """Command lines of this process's child processes (the daemons ``ray.init`` started here)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            if ppid == os.getpid():
-                out.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode())
-        except (OSError, IndexError, ValueError):
-            pass  # exited while listed
-    return out
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 def test_a_local_cluster_runs_without_the_daemons_it_has_no_use_for():
+    from fuseflow.bench.recovery import descendant_titles
     from fuseflow.controller.ray_backend import stop_idle_daemons
 
-    children = _children()
-    assert any("raylet" in c for c in children)  # the cluster this module started is this process's
-    assert not [c for c in children if "log_monitor.py" in c or ("autoscaler" in c and "monitor.py" in c)]
+    titles = descendant_titles().values()
+    assert any("raylet" in t for t in titles)  # the cluster this module started descends from this process
+    assert not [t for t in titles if "log_monitor.py" in t or ("autoscaler" in t and "monitor.py" in t)]
     assert stop_idle_daemons() == []  # already stopped: a second call finds nothing to stop

@@ -6,13 +6,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("fuseflow.controller.replica")  # Ray rollout replicas: async runs on Ray only with them
 
+from fuseflow.bench.recovery import descendant_titles  # noqa: E402
 from fuseflow.bench.trl import QUICK_OVERRIDES  # noqa: E402
 from fuseflow.config import load_config  # noqa: E402
 from fuseflow.runner import train  # noqa: E402
@@ -24,23 +24,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 def _replica_pids() -> list[int]:
     """Pids of the ``ray::RolloutReplica`` processes descended from this one (this test's cluster)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RolloutReplica"):
-                    found.append(pid)
-            except OSError:
-                pass
-    return sorted(found)
+    return sorted(pid for pid, title in descendant_titles().items() if title.startswith("ray::RolloutReplica"))
 
 
 @pytest.mark.slow  # two 4-step Ray runs with two replica processes each

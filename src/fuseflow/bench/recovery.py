@@ -30,11 +30,11 @@ from . import cpu_name, write_result
 WORKER_TITLE = "ray::WorkerHost"  # the process title Ray gives an actor of fuseflow's host class
 
 
-def worker_pids(root: int | None = None) -> list[int]:
-    """Pids of the Ray worker hosts descended from process ``root`` (this one by default), sorted.
+def descendant_titles(root: int | None = None) -> dict[int, str]:
+    """Command line of every process descended from process ``root`` (this one by default), by pid.
 
     Read from /proc so that other Ray clusters on the machine (other users, other tests) are
-    never touched: a local cluster's raylet is a child of the driver that started it.
+    never touched: a local cluster's raylet and daemons are children of the driver that started it.
     """
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -44,17 +44,20 @@ def worker_pids(root: int | None = None) -> list[int]:
             except OSError:
                 continue  # exited meanwhile
             children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [root or os.getpid()]
+    found, todo = {}, [root or os.getpid()]
     while todo:
         for pid in children.get(todo.pop(), []):
             todo.append(pid)
             try:
-                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
-                continue
-            if title.startswith(WORKER_TITLE):
-                found.append(pid)
-    return sorted(found)
+                pass  # exited meanwhile
+    return found
+
+
+def worker_pids(root: int | None = None) -> list[int]:
+    """Pids of the Ray worker hosts descended from process ``root`` (this one by default), sorted."""
+    return sorted(pid for pid, title in descendant_titles(root).items() if title.startswith(WORKER_TITLE))
 
 
 class Killer(threading.Thread):

@@ -97,35 +97,31 @@ def start_local_ray(num_cpus: int, num_gpus: int = 0, env_vars: dict[str, str] |
     stop_idle_daemons()
 
 
-# The daemons a cluster started by ``ray.init`` runs that this cluster has no use for: the log monitor
-# ships worker logs to drivers (``log_to_driver=False`` here, and the files stay in the session's log
-# directory) and the autoscaler's monitor scales a cluster of one fixed node.
-IDLE_DAEMONS = ("log_monitor", "monitor")
-
-
 def stop_idle_daemons() -> list[str]:
     """Stop the log monitor and the autoscaler's monitor of the local cluster this process started.
 
-    In ``fuseflow bench fusion --backend ray`` on a 2-core machine they took about 0.6% of it (other processes'
-    share fell by that much once they were stopped; docs/ray_rollout.md, session 38), CPU that a mode keeping
-    both cores busy loses. ``ray.init`` has no switch for them (``ray start`` has ``--include-log-monitor=False``
-    and ``--no-monitor``), so they are stopped through the node object Ray keeps for the cluster it started.
-    Best effort: where that object or its methods are missing (another Ray version), or this process joined a
-    cluster instead of starting one, nothing is stopped. Returns the daemons stopped.
+    This cluster has no use for them: the log monitor ships worker logs to drivers (fuseflow's run with
+    ``log_to_driver=False``; the files stay in the session's log directory) and the autoscaler's monitor
+    scales a cluster of one fixed node. In ``fuseflow bench fusion --backend ray`` on a 2-core machine they
+    took about 0.6% of it (other processes' share fell by that much once they were stopped;
+    docs/ray_rollout.md, session 38), CPU that a mode keeping both cores busy loses. ``ray.init`` has no
+    switch for them (``ray start`` has ``--include-log-monitor=False`` and ``--no-monitor``), so they are
+    stopped through the node object Ray keeps for the cluster it started. Best effort: where that object or
+    its methods are missing (another Ray version), or this process joined a cluster instead of starting
+    one, nothing is stopped. Returns the process types stopped.
     """
     try:
-        from ray._private import worker
+        from ray._private import ray_constants, worker
 
         node = worker._global_node
-        kills = {"log_monitor": node.kill_log_monitor, "monitor": node.kill_monitor}
+        daemons = {ray_constants.PROCESS_TYPE_LOG_MONITOR: node.kill_log_monitor,
+                   ray_constants.PROCESS_TYPE_MONITOR: node.kill_monitor}
         running = set(node.all_processes)
     except (ImportError, AttributeError):
         return []
-    stopped = []
-    for name in IDLE_DAEMONS:
-        if name in running:
-            kills[name](check_alive=False)
-            stopped.append(name)
+    stopped = [name for name in daemons if name in running]
+    for name in stopped:
+        daemons[name](check_alive=False)
     return stopped
 
 
