@@ -6,7 +6,8 @@ request (EOS is never a stop token and every request has its own target length, 
 request is done: that idle tail is the cost being measured. The engine runs with `slots` sequence
 slots, twice: as configured by default, and with plain `F.linear` matmuls (`linear_kernel="torch"`,
 the kernels HF runs on), which separates what scheduling and KV handling gain from what oneDNN's
-matmuls gain. The three sides run interleaved in one process (an engine step or an HF batch at a
+matmuls gain (none for fp32 on an Intel CPU, where the default takes plain `F.linear` too:
+`engine.runner.mkl_preferred`). The three sides run interleaved in one process (an engine step or an HF batch at a
 time, always advancing the side least far along), so a burst of load from other processes hits all
 of them alike; each repeat is a fresh interleaved run and the median per side is reported.
 Wall-clock and process-CPU times are both recorded. With `--backends ...,vllm` vLLM's engine

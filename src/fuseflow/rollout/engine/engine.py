@@ -43,8 +43,9 @@ class EngineConfig:
                             gathering blocks every step; rows it has no room for attend from the
                             pool. 0 turns the copy off (fully paged). Since the copy duplicates
                             pool content, half and half suits a pool full of decoding rows
-    linear_kernel:          "auto" (oneDNN's linear on CPU where it works, else torch), "onednn" or
-                            "torch" (plain F.linear); see runner.Linears for why
+    linear_kernel:          "auto" (oneDNN's linear on CPU where it works, except fp32 on an Intel
+                            CPU, where MKL is as fast; else torch), "onednn" or "torch" (plain
+                            F.linear); see runner.Linears for why
     block_size:             tokens per KV block (the unit of allocation and of prefix caching)
     max_num_batched_tokens: tokens computed per step (decode rows + prefill chunks); longer
                             prompts are prefilled in chunks

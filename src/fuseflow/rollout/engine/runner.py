@@ -44,10 +44,13 @@ class Linears:
     On CPU, PyTorch sends fp32 `F.linear` to MKL, which on this project's AMD machine ran a decode
     step's small-M products (32 rows x 512 -> 1152) at ~55 GFLOPS; oneDNN's linear (the kernel
     behind PyTorch's CPU compiler) ran the same products in full fp32 at ~150, but costs ~25 us more
-    per call, so products under `ONEDNN_MIN_MACS` stay on torch (measured break-even). oneDNN is
-    called on the model's own weight tensors (no copy, nothing packed and kept: a trainer's in-place
-    update is seen at once). `kernel`: "onednn" or "auto" (oneDNN where `onednn_available` says it
-    works: a CPU build with it, fp32 or bf16), "torch" (plain `F.linear` always).
+    per call, so products under `ONEDNN_MIN_MACS` stay on torch (measured break-even). On an Intel
+    CPU MKL takes its own fast paths: there it was as fast as oneDNN or faster at every size measured
+    (1-1024 rows of the tiny, small and SmolLM2 layers; docs/benchmarks.md), so fp32 stays on torch
+    (`mkl_preferred`). oneDNN is called on the model's own weight tensors (no copy, nothing packed and
+    kept: a trainer's in-place update is seen at once). `kernel`: "onednn"; "auto" (oneDNN where
+    `onednn_available` says it works, a CPU build with it, fp32 or bf16, unless `mkl_preferred`);
+    "torch" (plain `F.linear` always).
     """
 
     ONEDNN_MIN_MACS = 1_500_000  # rows x in x out below which torch's call is cheaper
@@ -58,7 +61,7 @@ class Linears:
         ok = onednn_available(device, dtype)
         if kernel == "onednn" and not ok:
             raise ValueError(f"linear kernel 'onednn' is not available for {device.type} / {dtype}; use auto or torch")
-        self.onednn = kernel == "onednn" or (kernel == "auto" and ok)
+        self.onednn = kernel == "onednn" or (kernel == "auto" and ok and not mkl_preferred(device, dtype))
 
     def _dnnl(self, x: Tensor, w: Tensor) -> bool:
         return self.onednn and x.shape[0] * w.shape[0] * w.shape[1] >= self.ONEDNN_MIN_MACS
@@ -100,6 +103,24 @@ def _add_lora(y: Tensor, x: Tensor, layer: torch.nn.Module) -> Tensor:
         return y
     a, b, scaling = parts
     return y.addmm_(F.linear(x, a), b.t(), alpha=scaling)
+
+
+def mkl_preferred(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether plain `F.linear` (MKL) is at least as fast as oneDNN's linear here: fp32 on an Intel CPU."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_vendor() == "GenuineIntel"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
