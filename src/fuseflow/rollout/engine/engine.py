@@ -44,7 +44,7 @@ class EngineConfig:
                             pool. 0 turns the copy off (fully paged). Since the copy duplicates
                             pool content, half and half suits a pool full of decoding rows
     linear_kernel:          "auto" (oneDNN's linear on CPU where it works, except fp32 on an Intel
-                            CPU, where MKL is as fast; else torch), "onednn" or "torch" (plain
+                            CPU, where MKL measured faster or even; else torch), "onednn" or "torch" (plain
                             F.linear); see runner.Linears for why
     block_size:             tokens per KV block (the unit of allocation and of prefix caching)
     max_num_batched_tokens: tokens computed per step (decode rows + prefill chunks); longer

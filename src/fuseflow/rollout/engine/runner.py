@@ -45,8 +45,8 @@ class Linears:
     step's small-M products (32 rows x 512 -> 1152) at ~55 GFLOPS; oneDNN's linear (the kernel
     behind PyTorch's CPU compiler) ran the same products in full fp32 at ~150, but costs ~25 us more
     per call, so products under `ONEDNN_MIN_MACS` stay on torch (measured break-even). On an Intel
-    CPU MKL takes its own fast paths: there it was as fast as oneDNN or faster at every size measured
-    (1-1024 rows of the tiny, small and SmolLM2 layers; docs/benchmarks.md), so fp32 stays on torch
+    CPU MKL takes its own fast paths: there it was faster than oneDNN on the tiny and small layers at
+    1-1024 rows and within 7% either way on SmolLM2's (docs/benchmarks.md), so fp32 stays on torch
     (`mkl_preferred`). oneDNN is called on the model's own weight tensors (no copy, nothing packed and
     kept: a trainer's in-place update is seen at once). `kernel`: "onednn"; "auto" (oneDNN where
     `onednn_available` says it works, a CPU build with it, fp32 or bf16, unless `mkl_preferred`);
@@ -106,7 +106,7 @@ def _add_lora(y: Tensor, x: Tensor, layer: torch.nn.Module) -> Tensor:
 
 
 def mkl_preferred(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether plain `F.linear` (MKL) is at least as fast as oneDNN's linear here: fp32 on an Intel CPU."""
+    """Whether plain `F.linear` (MKL) is the faster kernel here, as measured: fp32 on an Intel CPU."""
     return device.type == "cpu" and dtype == torch.float32 and cpu_vendor() == "GenuineIntel"
 
 
