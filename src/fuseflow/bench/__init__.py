@@ -13,16 +13,12 @@ import os
 import platform
 from pathlib import Path
 
+from fuseflow.models.device import cpuinfo
+
 
 def cpu_name() -> str:
     """The CPU model as /proc/cpuinfo names it (``platform`` says only "x86_64" on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def machine_times() -> tuple[float, float]:

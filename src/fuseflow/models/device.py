@@ -10,6 +10,18 @@ ALLOWED_DEVICE_SPECS = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 _CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")
 
 
+def cpuinfo(key: str) -> str:
+    """The first value of ``key`` in /proc/cpuinfo ("model name", "vendor_id", ...); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _cuda_dtype() -> torch.dtype:
     # bf16 halves memory and runs on tensor cores; pre-Ampere GPUs lack it and fp16 would
     # need loss scaling, so they get fp32 instead.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fuseflow.models.attention import attend
+from fuseflow.models.device import cpuinfo
 from fuseflow.models.llama import CausalLM, rope_cos_sin, rope_inv_freq
 from fuseflow.models.lora import lora_parts
 
@@ -113,14 +114,7 @@ def mkl_preferred(device: torch.device, dtype: torch.dtype) -> bool:
 @functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo("vendor_id")
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
