@@ -139,7 +139,6 @@ def test_elastic_replicas_train_like_sequential_and_bill_held_time(tmp_path, sft
         assert m["elastic/replicas"] in (1.0, 2.0)
 
 
-@pytest.mark.slow  # ~50 s on a loaded 2-core machine; the same strategy code is checked locally in test_schedule_modes
 def test_async_replicas_at_staleness_zero_train_like_sequential(tmp_path, sft_cache, sequential):
     asy = _run(tmp_path, sft_cache, ["schedule.mode=async", "schedule.max_staleness=0", *REPLICAS])
     _same_training(sequential, asy)
@@ -294,7 +293,6 @@ def test_modes_the_ray_placement_cannot_host_fail_before_training(tmp_path, bad,
     assert not (tmp_path / "run").exists()  # nothing ran
 
 
-@pytest.mark.slow
 def test_async_replicas_resume_exactly(tmp_path, sft_cache):
     """The checkpoint holds the samples the replicas prefetched: the resumed Ray run equals the uninterrupted one."""
     from safetensors.torch import load_file
