@@ -269,6 +269,12 @@ def test_bench_fusion_reports_every_mode(tmp_path, sft_cache):
     mean_step = seq["samples_per_step"] / seq["samples_per_second"]  # what samples/s, and so each ratio, uses
     assert out["speedup_bound"] == pytest.approx(mean_step * out["cores"] / least)
     assert out["modes"][out["speedup_bound_mode"]]["cpu_seconds_per_step"] == least
+    for r in out["modes"].values():  # what each mode left between its speedup and the bound, which it adds up to
+        lost = r["room_lost"]
+        assert lost["idle"] == pytest.approx(1 - r["machine_busy"], abs=1e-6)
+        assert lost["other_processes"] == pytest.approx(r["machine_busy"] - r["cpu_utilisation"], abs=1e-6)
+        assert lost["extra_cpu"] >= 0 and (lost["extra_cpu"] == 0) == (r["cpu_seconds_per_step"] == least)
+        assert 1 - sum(lost.values()) == pytest.approx(r["speedup_vs_sequential"] / out["speedup_bound"], abs=1e-5)
     if out["speedup_bound"] > 1:  # the share of the bound's room each mode took
         assert fused["room_captured"] == pytest.approx((fused["speedup_vs_sequential"] - 1)
                                                        / (out["speedup_bound"] - 1), abs=1e-5)

@@ -42,7 +42,8 @@ run one at a time, so no schedule on that placement makes a step shorter than th
 of its per-repeat ratios (``speedup_vs_sequential_runs``; each repeat's CPU split as
 ``cpu_seconds_per_step_by_process_runs``) as ``speedup_vs_sequential_mean`` with a two-sided 95% t-interval
 ``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them (the run's bound
-held fixed). ``speedup_vs_trl`` comes from
+held fixed). ``room_lost`` per mode splits what its median run left between its speedup and the bound
+(``room_lost``: idle, other processes, CPU beyond the least mode's). ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
@@ -181,6 +182,25 @@ def least_cpu_mode(modes: dict[str, dict]) -> str:
     'fused'
     """
     return min(modes, key=lambda m: modes[m]["cpu_seconds_per_step"])
+
+
+def room_lost(mode: dict, least_cpu: float) -> dict[str, float] | None:
+    """Where a mode's step falls short of the bound, as shares of the machine that add up to
+    ``1 - speedup / speedup_bound``: ``idle`` (1 - ``machine_busy``), ``other_processes`` (``machine_busy`` -
+    ``cpu_utilisation``: Ray's daemons, the OS, other users) and ``extra_cpu`` (``cpu_utilisation`` x (1 -
+    ``least_cpu`` / its CPU-seconds a step): the CPU it spends beyond the least mode's). It is an identity of
+    the run's own figures: speedup over the bound is ``cpu_utilisation x least_cpu / cpu_seconds_per_step``,
+    since both sides are samples/s x least CPU-seconds a step / (samples a step x cores).
+    None without ``machine_busy`` (fewer than two timed steps).
+
+    >>> room_lost({"machine_busy": 0.98, "cpu_utilisation": 0.96, "cpu_seconds_per_step": 1.6}, 1.5)
+    {'idle': 0.02, 'other_processes': 0.02, 'extra_cpu': 0.06}
+    """
+    if "machine_busy" not in mode:
+        return None
+    u, busy = mode["cpu_utilisation"], mode["machine_busy"]
+    return {"idle": round(1 - busy, 6), "other_processes": round(busy - u, 6),
+            "extra_cpu": round(u * (1 - least_cpu / mode["cpu_seconds_per_step"]), 6)}
 
 
 def bound_caveat(modes_run) -> str | None:
@@ -365,7 +385,10 @@ def run_fusion(steps: int = 6, workers: int = 2, quick: bool = False, modes: tup
     if bound is not None:
         out["speedup_bound"] = bound
         out["speedup_bound_mode"] = least_cpu_mode(results)
+        least = results[out["speedup_bound_mode"]]["cpu_seconds_per_step"]
         for r in results.values():
+            if (lost := room_lost(r, least)) is not None:
+                r["room_lost"] = lost
             if (room := room_captured(r["speedup_vs_sequential"], bound)) is not None:
                 r["room_captured"] = room
                 if "speedup_vs_sequential_mean" in r:  # the run's bound taken as fixed
@@ -437,6 +460,12 @@ def register(bench_app) -> None:
                      if has_room_target(n) and "room_captured" in r]
             if rooms:
                 console.print(f"share of that room captured: {', '.join(rooms)}", soft_wrap=True)
+            lost = [f"{n} {1 - sum(r['room_lost'].values()):.3f} (idle {r['room_lost']['idle']:.3f}, others "
+                    f"{r['room_lost']['other_processes']:.3f}, extra CPU {r['room_lost']['extra_cpu']:.3f})"
+                    for n, r in result["modes"].items() if "room_lost" in r]
+            if lost:
+                console.print("speedup over that bound, 1 less the machine's idle share, other processes' share "
+                              "and this mode's CPU beyond the least mode's: " + ", ".join(lost), soft_wrap=True)
             if (caveat := bound_caveat(result["modes"])) is not None:
                 console.print(caveat, soft_wrap=True)
         if "speedup_bound_placement" in result:
