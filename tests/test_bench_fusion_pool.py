@@ -101,3 +101,26 @@ def test_fusion_pool_prints_no_room_for_elastic(tmp_path):
     lines = {line.split()[0]: line for line in r.output.splitlines() if line.startswith(("fused ", "elastic "))}
     assert "room" in lines["fused"] and "room" not in lines["elastic"] and "worker-s x0.40-0.40" in lines["elastic"]
     assert "room_captured_mean" in json.loads(out.read_text())["modes"]["elastic"]
+
+
+def test_pool_runs_averages_where_each_mode_left_the_room():
+    """room_lost from each run's median figures (its own least CPU), averaged over the runs that measured it."""
+    from fuseflow.bench.fusion_pool import pool_runs
+
+    def run(seq_cpu, fused_cpu, fused_u, fused_busy):
+        r = _run(1.2, [1.1])
+        r["modes"]["sequential"] |= {"cpu_seconds_per_step": seq_cpu, "cpu_utilisation": 0.9, "machine_busy": 0.95}
+        r["modes"]["fused"] |= {"cpu_seconds_per_step": fused_cpu, "cpu_utilisation": fused_u,
+                                "machine_busy": fused_busy}
+        return r
+
+    old = _run(1.3, [1.2])  # an older JSON without the CPU figures: pooled for its ratios, not for room_lost
+    out = pool_runs([run(2.0, 1.6, 0.96, 0.98), run(1.5, 2.0, 0.8, 0.9), old])
+    fused = out["modes"]["fused"]
+    # Run 1: fused is the least (1.6): idle 0.02, others 0.02, extra 0. Run 2: sequential is (1.5): idle 0.1,
+    # others 0.1, extra 0.8 x (1 - 1.5 / 2.0) = 0.2.
+    assert fused["room_lost_per_run"] == [pytest.approx({"idle": 0.02, "other_processes": 0.02, "extra_cpu": 0.0}),
+                                          pytest.approx({"idle": 0.1, "other_processes": 0.1, "extra_cpu": 0.2})]
+    assert fused["room_lost_runs"] == 2 and fused["runs"] == 3
+    assert fused["room_lost_mean"] == pytest.approx({"idle": 0.06, "other_processes": 0.06, "extra_cpu": 0.1})
+    assert "room_lost_mean" not in pool_runs([old])["modes"]["fused"]

@@ -11,14 +11,18 @@ from collections import Counter
 from pathlib import Path
 
 from . import write_result
-from .fusion import has_room_target, mean_interval, room_captured
+from .fusion import has_room_target, mean_interval, room_captured, room_lost
+
+LOST = ("idle", "other_processes", "extra_cpu")
 
 
 def pool_runs(runs: list[dict]) -> dict:
     """Several ``run_fusion`` results (their JSON) as one sample: every repeat's ratio to the ``sequential`` run
     of its repeat, and its room over its own run's ``speedup_bound``, pooled per mode with the mean and a
     two-sided 95% t-interval (why pool: the module's docstring). ``runs_by_modes`` counts the runs per set of
-    modes run: a run's bound comes from its own modes, so runs of fewer modes read more room.
+    modes run: a run's bound comes from its own modes, so runs of fewer modes read more room. ``room_lost_mean``
+    averages each mode's ``room_lost`` (``bench.fusion.room_lost``, recomputed from the median run's figures)
+    over the ``room_lost_runs`` runs that measured ``machine_busy``.
 
     >>> seq = {"speedup_vs_sequential": 1.0}
     >>> one = {"benchmark": "ppo_sort_fusion", "speedup_bound": 1.2,
@@ -37,12 +41,17 @@ def pool_runs(runs: list[dict]) -> dict:
         if "speedup_bound" not in run or "sequential" not in run["modes"]:
             raise ValueError(f"run {i + 1} has no sequential mode, so no ratios or bound to pool")
         bound = run["speedup_bound"]
+        cpus = [r.get("cpu_seconds_per_step") for r in run["modes"].values()]
+        least = min(cpus) if None not in cpus else None
         for name, r in run["modes"].items():
             if name == "sequential":
                 continue
             m = modes.setdefault(name, {"runs": 0, "speedup_vs_sequential_per_repeat": [],
-                                        "room_captured_per_repeat": [], "worker_seconds_vs_sequential_per_run": []})
+                                        "room_captured_per_repeat": [], "worker_seconds_vs_sequential_per_run": [],
+                                        "room_lost_per_run": []})
             m["runs"] += 1
+            if least is not None and (lost := room_lost(r, least)) is not None:
+                m["room_lost_per_run"].append(lost)
             ratios = r.get("speedup_vs_sequential_runs") or [r["speedup_vs_sequential"]]
             m["speedup_vs_sequential_per_repeat"] += ratios
             if bound > 1.0:
@@ -54,6 +63,9 @@ def pool_runs(runs: list[dict]) -> dict:
                             ("room_captured", m["room_captured_per_repeat"])):
             if (ci := mean_interval(values)) is not None:
                 m[f"{key}_mean"], m[f"{key}_ci95"] = ci[0], [ci[1], ci[2]]
+        if m["room_lost_per_run"]:
+            n = m["room_lost_runs"] = len(m["room_lost_per_run"])
+            m["room_lost_mean"] = {k: round(sum(x[k] for x in m["room_lost_per_run"]) / n, 6) for k in LOST}
     return {"benchmark": "ppo_sort_fusion_pooled", "runs": len(runs),
             "speedup_bounds": [round(r["speedup_bound"], 6) for r in runs],
             "runs_by_modes": dict(Counter(",".join(r["modes"]) for r in runs)), "modes": modes}
@@ -94,5 +106,9 @@ def register(bench_app) -> None:
             if m["worker_seconds_vs_sequential_per_run"]:
                 ws = m["worker_seconds_vs_sequential_per_run"]
                 line += f"  worker-s x{min(ws):.2f}-{max(ws):.2f}"
+            if "room_lost_mean" in m:
+                lost = m["room_lost_mean"]
+                line += (f"  short of the bound by idle {lost['idle']:.3f}, others {lost['other_processes']:.3f}, "
+                         f"extra CPU {lost['extra_cpu']:.3f} ({m['room_lost_runs']} runs)")
             console.print(line, soft_wrap=True)
         write_result(out, result)
