@@ -42,8 +42,8 @@ run one at a time, so no schedule on that placement makes a step shorter than th
 of its per-repeat ratios (``speedup_vs_sequential_runs``; each repeat's CPU split as
 ``cpu_seconds_per_step_by_process_runs``) as ``speedup_vs_sequential_mean`` with a two-sided 95% t-interval
 ``speedup_vs_sequential_ci95``, and ``room_captured_mean`` / ``room_captured_ci95`` from them (the run's bound
-held fixed). ``room_lost`` per mode splits what its median run left between its speedup and the bound
-(``room_lost``: idle, other processes, CPU beyond the least mode's). ``speedup_vs_trl`` comes from
+held fixed). ``room_lost`` per mode splits what its median run left between its speedup and the bound into
+the idle share, other processes' share and its CPU beyond the least mode's. ``speedup_vs_trl`` comes from
 ``bench.trl.run_trl_comparison`` with fuseflow in the fastest mode measured here.
 """
 
