@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import write_result
-from .fusion import has_room_target, mean_interval, room_captured, room_lost
+from .fusion import has_room_target, least_cpu_mode, mean_interval, room_captured, room_lost
 
 LOST = ("idle", "other_processes", "extra_cpu")
 
@@ -41,8 +41,8 @@ def pool_runs(runs: list[dict]) -> dict:
         if "speedup_bound" not in run or "sequential" not in run["modes"]:
             raise ValueError(f"run {i + 1} has no sequential mode, so no ratios or bound to pool")
         bound = run["speedup_bound"]
-        cpus = [r.get("cpu_seconds_per_step") for r in run["modes"].values()]
-        least = min(cpus) if None not in cpus else None
+        least = (run["modes"][least_cpu_mode(run["modes"])]["cpu_seconds_per_step"]  # older JSON may lack it
+                 if all("cpu_seconds_per_step" in r for r in run["modes"].values()) else None)
         for name, r in run["modes"].items():
             if name == "sequential":
                 continue
